@@ -1,0 +1,68 @@
+"""Configuration of LazyLlama: a Llama whose attention is Lazy Attention (arXiv 2601.00919).
+
+Every `LlamaConfig` field keeps its meaning; three fields are added:
+
+- `lazy_bias_window` (int, default 1024): W, the number of distances `0..W-1` that own a learnable
+  per-head bias `distance_bias[h, d]`; distances `>= W` get no bias (attention stays fully causal).
+- `lazy_tau_init` (float, default -1.0): the initial Elastic-Softmax offset `tau_h` of a new model.
+- `lazy_bias_init_std` (float, default 1e-3): standard deviation of the initial distance bias.
+
+This file imports nothing from this project, so it can travel with a checkpoint on its own.
+"""
+
+import math
+
+from huggingface_hub.dataclasses import strict
+from transformers import LlamaConfig
+
+
+@strict
+class LazyLlamaConfig(LlamaConfig):
+    r"""Configuration for [`LazyLlamaModel`] and [`LazyLlamaForCausalLM`].
+
+    A vanilla Llama `config.json` loads into this class unchanged (the lazy fields take their defaults).
+
+    ```python
+    >>> from configuration_lazy import LazyLlamaConfig
+    >>> config = LazyLlamaConfig(hidden_size=256, num_attention_heads=4, lazy_bias_window=512)
+    ```
+    """
+
+    model_type = "lazy_llama"
+
+    lazy_bias_window: int = 1024
+    lazy_tau_init: float | int = -1.0
+    lazy_bias_init_std: float | int = 1e-3
+
+    def __post_init__(self, **kwargs):
+        # Checked here, before the strict-dataclass validators, so that bad values raise a plain ValueError.
+        self._validate_lazy_fields()
+        super().__post_init__(**kwargs)
+
+    def _validate_lazy_fields(self):
+        """Reject inconsistent values at construction with a message that says what to change."""
+        if isinstance(self.lazy_bias_window, bool) or not isinstance(self.lazy_bias_window, int) or self.lazy_bias_window < 1:
+            raise ValueError(
+                f"lazy_bias_window must be an integer >= 1 (the number of distances with a learnable bias), "
+                f"got {self.lazy_bias_window!r}."
+            )
+        for name in ("lazy_tau_init", "lazy_bias_init_std"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise ValueError(f"{name} must be a finite number, got {value!r}.")
+        if self.lazy_bias_init_std < 0:
+            raise ValueError(f"lazy_bias_init_std must be >= 0, got {self.lazy_bias_init_std!r}.")
+        heads, kv_heads = self.num_attention_heads, self.num_key_value_heads
+        if heads < 1 or self.hidden_size % heads != 0 and self.head_dim is None:
+            raise ValueError(
+                f"hidden_size ({self.hidden_size}) must be a multiple of num_attention_heads ({heads}), "
+                "or head_dim must be given."
+            )
+        if kv_heads is not None and (kv_heads < 1 or heads % kv_heads != 0):
+            raise ValueError(
+                f"num_attention_heads ({heads}) must be a multiple of num_key_value_heads ({kv_heads}) "
+                "for grouped-query attention: pick a num_key_value_heads that divides it."
+            )
+
+
+__all__ = ["LazyLlamaConfig"]

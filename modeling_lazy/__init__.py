@@ -1,0 +1,13 @@
+"""LazyLlama model package: importing it registers the classes with the Auto classes of transformers."""
+
+from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+
+from configuration_lazy import LazyLlamaConfig
+
+from .modeling_lazy import LazyLlamaForCausalLM, LazyLlamaModel, LazyLlamaPreTrainedModel
+
+AutoConfig.register(LazyLlamaConfig.model_type, LazyLlamaConfig, exist_ok=True)
+AutoModel.register(LazyLlamaConfig, LazyLlamaModel, exist_ok=True)
+AutoModelForCausalLM.register(LazyLlamaConfig, LazyLlamaForCausalLM, exist_ok=True)
+
+__all__ = ["LazyLlamaConfig", "LazyLlamaForCausalLM", "LazyLlamaModel", "LazyLlamaPreTrainedModel"]

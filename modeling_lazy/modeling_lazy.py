@@ -1,0 +1,429 @@
+"""LazyLlama: Llama with Lazy Attention ("Attention Needs to Focus", arXiv 2601.00919).
+
+Read top to bottom in the order data flows: the attention functions (`eager` reference and the fused
+`lazy` one), the attention module with its two new parameters, the decoder layer, the pre-trained base
+class, the base model and the causal-LM head. Everything not listed here is Llama's, reused unchanged.
+
+The file only uses sibling imports, so it travels flat with a checkpoint (`trust_remote_code=True`).
+"""
+
+import os
+import shutil
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from transformers import initialization as init
+from transformers.cache_utils import Cache, DynamicCache
+from transformers.generation import GenerationMixin
+from transformers.masking_utils import AttentionMaskInterface
+from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface, PreTrainedModel
+from transformers.models.llama.modeling_llama import (
+    LlamaMLP,
+    LlamaRMSNorm,
+    LlamaRotaryEmbedding,
+    apply_rotary_pos_emb,
+)
+from transformers.utils import can_return_tuple
+from transformers.utils.generic import merge_with_config_defaults
+from transformers.utils.output_capturing import capture_outputs
+
+try:  # flat copy next to a checkpoint (trust_remote_code)
+    from .configuration_lazy import LazyLlamaConfig
+except ImportError:  # installed project: the config lives in its own package
+    from configuration_lazy import LazyLlamaConfig
+from .lazy_attention_torch import lazy_attention_metadata, lazy_attention_reference, lazy_attention_torch
+
+try:
+    from .lazy_attention_triton import lazy_attention_triton
+except ImportError:  # triton not installed (CPU-only or Hub users): the PyTorch path serves every device
+    lazy_attention_triton = None
+
+
+BACKEND_ENV = "LAZY_ATTENTION_BACKEND"
+REFUSED_IMPLEMENTATIONS = ("sdpa", "flash_attention_2", "flash_attention_3", "flash_attention_4", "flex_attention")
+
+
+def _lazy_backend(query: torch.Tensor) -> str:
+    """`"triton"` or `"torch"` for this call, from `LAZY_ATTENTION_BACKEND` (auto | triton | torch)."""
+    choice = os.environ.get(BACKEND_ENV, "auto").strip().lower()
+    if choice not in ("auto", "triton", "torch"):
+        raise ValueError(f"{BACKEND_ENV} must be one of auto, triton, torch; got {choice!r}.")
+    if choice == "torch":
+        return "torch"
+    interpreting = os.environ.get("TRITON_INTERPRET", "0") == "1"
+    runnable = lazy_attention_triton is not None and (query.is_cuda or interpreting)
+    if choice == "triton":
+        if not runnable:
+            raise RuntimeError(
+                f"{BACKEND_ENV}=triton needs the `triton` package and CUDA tensors (or TRITON_INTERPRET=1 set "
+                "before import to run the kernels on CPU). Install triton or set the variable to auto/torch."
+            )
+        return "triton"
+    return "triton" if runnable and query.is_cuda else "torch"
+
+
+def eager_lazy_attention_forward(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float,
+    dropout: float = 0.0,
+    **kwargs,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference Lazy Attention that materialises `a_ij` (after the ReLU); supports `output_attentions`.
+
+    query `[B, Hq, Tq, D]`, key/value `[B, Hkv, Tk, D]`; the mask information arrives as
+    `kwargs["lazy_metadata"]` = `(q_pos, k_pos, q_seg, k_seg)` built once per forward by the model.
+    Returns `(out [B, Tq, Hq, D], weights [B, Hq, Tq, Tk] float32)`.
+    """
+    out, weights = lazy_attention_reference(
+        query, key, value, module.tau, module.distance_bias, *kwargs["lazy_metadata"], scaling
+    )
+    return out, weights
+
+
+def lazy_attention_forward(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float,
+    dropout: float = 0.0,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """Fused Lazy Attention: Triton kernels on CUDA, the chunked exact PyTorch path elsewhere.
+
+    Same inputs as `eager_lazy_attention_forward`; returns `(out [B, Tq, Hq, D], None)`.
+    """
+    metadata = kwargs["lazy_metadata"]
+    if _lazy_backend(query) == "triton":
+        out = lazy_attention_triton(query, key, value, module.tau, module.distance_bias, *metadata, scaling)
+    else:
+        out = lazy_attention_torch(query, key, value, module.tau, module.distance_bias, *metadata, scaling)
+    return out, None
+
+
+AttentionInterface.register("lazy", lazy_attention_forward)
+# The model builds its own compact metadata; no HF mask is ever needed for the "lazy" key.
+AttentionMaskInterface.register("lazy", lambda *args, **kwargs: None)
+
+
+class LazyLlamaRotaryEmbedding(LlamaRotaryEmbedding):
+    """Llama's RoPE, unchanged (dimension-wise positional discrimination)."""
+
+
+class LazyLlamaAttention(nn.Module):
+    """Llama attention whose softmax is Elastic-Softmax, plus a learnable per-head distance bias.
+
+    New parameters (float32, belong to query heads):
+        tau `[num_attention_heads]`: Elastic-Softmax offset, `a = ReLU(softmax + tau / n)`.
+        distance_bias `[num_attention_heads, lazy_bias_window]`: added to the score at distance `d < W`.
+    """
+
+    def __init__(self, config: LazyLlamaConfig, layer_idx: int):
+        super().__init__()
+        self.config = config
+        self.layer_idx = layer_idx
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.num_heads = config.num_attention_heads
+        self.num_key_value_groups = config.num_attention_heads // config.num_key_value_heads
+        self.scaling = self.head_dim**-0.5
+        self.attention_dropout = config.attention_dropout
+        self.is_causal = True
+
+        self.q_proj = nn.Linear(config.hidden_size, self.num_heads * self.head_dim, bias=config.attention_bias)
+        self.k_proj = nn.Linear(
+            config.hidden_size, config.num_key_value_heads * self.head_dim, bias=config.attention_bias
+        )
+        self.v_proj = nn.Linear(
+            config.hidden_size, config.num_key_value_heads * self.head_dim, bias=config.attention_bias
+        )
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=config.attention_bias)
+        self.tau = nn.Parameter(torch.empty(self.num_heads, dtype=torch.float32))
+        self.distance_bias = nn.Parameter(torch.empty(self.num_heads, config.lazy_bias_window, dtype=torch.float32))
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        lazy_metadata: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+        cache: Cache | None = None,
+        **kwargs,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        input_shape = hidden_states.shape[:-1]
+        hidden_shape = (*input_shape, -1, self.head_dim)
+
+        query_states = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)  # [B, Hq, T, D]
+        key_states = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)  # [B, Hkv, T, D]
+        value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+
+        cos, sin = position_embeddings
+        query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)
+
+        if cache is not None:
+            key_states, value_states = cache.update(key_states, value_states, self.layer_idx)  # [B, Hkv, Tk, D]
+
+        implementation = self.config._attn_implementation
+        if implementation in REFUSED_IMPLEMENTATIONS:
+            raise ValueError(_refusal_message(implementation))
+        attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
+            self.config._attn_implementation, eager_lazy_attention_forward
+        )
+        attn_output, attn_weights = attention_interface(
+            self,
+            query_states,
+            key_states,
+            value_states,
+            None,
+            dropout=0.0 if not self.training else self.attention_dropout,
+            scaling=self.scaling,
+            lazy_metadata=lazy_metadata,
+        )
+        attn_output = attn_output.reshape(*input_shape, -1).contiguous()  # [B, T, Hq * D]
+        attn_output = self.o_proj(attn_output)
+        return attn_output, attn_weights
+
+
+def _refusal_message(implementation: str) -> str:
+    return (
+        f'attn_implementation="{implementation}" cannot express Elastic-Softmax (ReLU(softmax + tau/n) with a '
+        'per-head distance bias). Use attn_implementation="lazy" (the default: Triton kernels on CUDA, an exact '
+        'memory-efficient PyTorch path elsewhere) or "eager" (the reference that can return attention weights).'
+    )
+
+
+class LazyLlamaDecoderLayer(GradientCheckpointingLayer):
+    def __init__(self, config: LazyLlamaConfig, layer_idx: int):
+        super().__init__()
+        self.hidden_size = config.hidden_size
+        self.self_attn = LazyLlamaAttention(config=config, layer_idx=layer_idx)
+        self.mlp = LlamaMLP(config)
+        self.input_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        lazy_metadata: tuple[torch.Tensor, ...] | None = None,
+        cache: Cache | None = None,
+        **kwargs,
+    ) -> torch.Tensor:
+        residual = hidden_states
+        hidden_states = self.input_layernorm(hidden_states)
+        hidden_states, _ = self.self_attn(
+            hidden_states=hidden_states,
+            position_embeddings=position_embeddings,
+            lazy_metadata=lazy_metadata,
+            cache=cache,
+            **kwargs,
+        )
+        hidden_states = residual + hidden_states
+
+        residual = hidden_states
+        hidden_states = self.post_attention_layernorm(hidden_states)
+        hidden_states = self.mlp(hidden_states)
+        return residual + hidden_states
+
+
+# Files that make a checkpoint self-contained for `trust_remote_code=True` (all flat, sibling imports).
+MODELING_FILES = ("modeling_lazy.py", "lazy_attention_torch.py", "lazy_attention_triton.py")
+AUTO_MAP = {
+    "AutoConfig": "configuration_lazy.LazyLlamaConfig",
+    "AutoModel": "modeling_lazy.LazyLlamaModel",
+    "AutoModelForCausalLM": "modeling_lazy.LazyLlamaForCausalLM",
+}
+
+
+def code_files() -> list[str]:
+    """Absolute paths of the code files a checkpoint carries (config first)."""
+    import inspect
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    files = [os.path.abspath(inspect.getfile(LazyLlamaConfig))]
+    files += [os.path.join(here, name) for name in MODELING_FILES if os.path.exists(os.path.join(here, name))]
+    return files
+
+
+class LazyLlamaPreTrainedModel(PreTrainedModel):
+    config_class = LazyLlamaConfig
+    config: LazyLlamaConfig
+    base_model_prefix = "model"
+    supports_gradient_checkpointing = True
+    _no_split_modules = ["LazyLlamaDecoderLayer"]
+    _supports_sdpa = False
+    _supports_flash_attn = False
+    _supports_flex_attn = False
+    _supports_attention_backend = False
+    _can_compile_fullgraph = False
+    _keep_in_fp32_modules_strict = ["tau", "distance_bias"]
+    _can_record_outputs = {
+        "hidden_states": LazyLlamaDecoderLayer,
+        "attentions": LazyLlamaAttention,
+    }
+
+    def get_correct_attn_implementation(self, requested_attention: str | None, is_init_check: bool = False) -> str:
+        """`"lazy"` unless asked otherwise; `"eager"` is the reference; softmax-only backends are refused."""
+        if requested_attention is None or requested_attention == "lazy":
+            return "lazy"
+        if requested_attention == "eager":
+            return "eager"
+        if requested_attention in REFUSED_IMPLEMENTATIONS:
+            raise ValueError(_refusal_message(requested_attention))
+        raise ValueError(
+            f'Unknown attn_implementation="{requested_attention}" for LazyLlama: use "lazy" (default) or "eager".'
+        )
+
+    @torch.no_grad()
+    def _init_weights(self, module):
+        super()._init_weights(module)
+        if isinstance(module, LazyLlamaAttention):
+            init.constant_(module.tau, self.config.lazy_tau_init)
+            init.normal_(module.distance_bias, mean=0.0, std=self.config.lazy_bias_init_std)
+
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        """`PreTrainedModel.save_pretrained`, plus the flat code files and a full `auto_map`.
+
+        The result loads with `AutoModelForCausalLM.from_pretrained(dir, trust_remote_code=True)` in a Python
+        where this project is not installed. `push_to_hub` saves through here, so it uploads the code too.
+        """
+        self.config.auto_map = dict(AUTO_MAP)
+        result = super().save_pretrained(save_directory, *args, **kwargs)
+        if kwargs.get("is_main_process", True):
+            for path in code_files():
+                shutil.copyfile(path, os.path.join(save_directory, os.path.basename(path)))
+        return result
+
+
+class LazyLlamaModel(LazyLlamaPreTrainedModel):
+    def __init__(self, config: LazyLlamaConfig):
+        super().__init__(config)
+        self.padding_idx = config.pad_token_id
+        self.vocab_size = config.vocab_size
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
+        self.layers = nn.ModuleList(
+            [LazyLlamaDecoderLayer(config, layer_idx) for layer_idx in range(config.num_hidden_layers)]
+        )
+        self.norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.rotary_emb = LazyLlamaRotaryEmbedding(config=config)
+        self.gradient_checkpointing = False
+        self.post_init()
+
+    @merge_with_config_defaults
+    @capture_outputs
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        cache: Cache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        use_cache: bool | None = None,
+        past_key_values: Cache | None = None,
+        **kwargs,
+    ) -> BaseModelOutputWithPast:
+        """Like `LlamaModel.forward`; `attention_mask` must be the 2-D `[B, past + T]` padding mask.
+
+        Without `position_ids`, positions come from the mask (`cumsum - 1`), so Elastic-Softmax's key count
+        `n_i = pos_i + 1` of a left-padded row equals that of the same prompt alone.
+        """
+        if (input_ids is None) ^ (inputs_embeds is not None):
+            raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
+        if cache is None:
+            cache = past_key_values
+        if kwargs.get("output_attentions") and self.config._attn_implementation != "eager":
+            raise ValueError(
+                'output_attentions=True needs attn_implementation="eager" (the fused "lazy" path never '
+                'materialises the weights): load with attn_implementation="eager" or call '
+                'model.set_attn_implementation("eager").'
+            )
+        if inputs_embeds is None:
+            inputs_embeds = self.embed_tokens(input_ids)
+        if use_cache and cache is None:
+            cache = DynamicCache(config=self.config)
+
+        bsz, q_len = inputs_embeds.shape[:2]
+        past = cache.get_seq_length() if cache is not None else 0
+        if past + q_len > self.config.max_position_embeddings:
+            raise ValueError(
+                f"Sequence of {past + q_len} tokens (cache {past} + input {q_len}) is longer than the model "
+                f"supports (max_position_embeddings={self.config.max_position_embeddings}). Shorten the input, "
+                "or raise max_position_embeddings in the config if you accept extrapolation."
+            )
+        lazy_metadata = lazy_attention_metadata(
+            attention_mask, position_ids, past, q_len, bsz, inputs_embeds.device, kwargs.get("cu_seq_lens_q")
+        )
+        q_pos = lazy_metadata[0]
+
+        hidden_states = inputs_embeds
+        position_embeddings = self.rotary_emb(hidden_states, position_ids=q_pos)
+        for decoder_layer in self.layers[: self.config.num_hidden_layers]:
+            hidden_states = decoder_layer(
+                hidden_states,
+                position_embeddings=position_embeddings,
+                lazy_metadata=lazy_metadata,
+                cache=cache,
+            )
+        hidden_states = self.norm(hidden_states)
+        return BaseModelOutputWithPast(last_hidden_state=hidden_states, cache=cache)
+
+
+class LazyLlamaForCausalLM(LazyLlamaPreTrainedModel, GenerationMixin):
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+    _pp_plan = {"lm_head": (["hidden_states"], ["logits"])}
+
+    def __init__(self, config: LazyLlamaConfig):
+        super().__init__(config)
+        self.model = LazyLlamaModel(config)
+        self.vocab_size = config.vocab_size
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    @can_return_tuple
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        cache: Cache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        logits_to_keep: int | torch.Tensor = 0,
+        past_key_values: Cache | None = None,
+        **kwargs,
+    ) -> CausalLMOutputWithPast:
+        """Like `LlamaForCausalLM.forward`: logits `[B, T, vocab]` (or the last `logits_to_keep`), optional loss."""
+        outputs: BaseModelOutputWithPast = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            cache=cache if cache is not None else past_key_values,
+            inputs_embeds=inputs_embeds,
+            use_cache=use_cache,
+            **kwargs,
+        )
+        hidden_states = outputs.last_hidden_state
+        slice_indices = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+        logits = self.lm_head(hidden_states[:, slice_indices, :])
+
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
+
+        return CausalLMOutputWithPast(
+            loss=loss,
+            logits=logits,
+            cache=outputs.cache,
+            hidden_states=outputs.hidden_states,
+            attentions=outputs.attentions,
+        )
+
+
+__all__ = ["LazyLlamaForCausalLM", "LazyLlamaModel", "LazyLlamaPreTrainedModel", "LazyLlamaConfig"]
