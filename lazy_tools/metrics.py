@@ -1,0 +1,134 @@
+"""Attention statistics (SPEC section 5) and perplexity, shared by the demo, `inspect`, training callbacks
+and the replication study.
+
+Definitions, for visible (query i, key j) pairs only:
+- sparsity: fraction of exactly-zero weights `a_ij` among the keys query i sees, averaged over queries
+  (then heads, then layers);
+- tile density: fraction of 64 x 64 (query, key) tiles holding a visible pair that keep a non-zero weight;
+- sink: mean weight on the first key (position 0) over queries at position > 0;
+- surviving mass: mean over queries of `sum_j a_ij` (Elastic-Softmax does not renormalise).
+"""
+
+import math
+from contextlib import contextmanager
+
+import torch
+
+from modeling_lazy.lazy_attention_torch import lazy_attention_metadata
+
+TILE = 64
+
+
+@contextmanager
+def eager_attention(model):
+    """Temporarily switch a LazyLlama (or Llama) to the `"eager"` implementation, which returns weights."""
+    previous = model.config._attn_implementation
+    model.set_attn_implementation("eager")
+    try:
+        yield model
+    finally:
+        model.set_attn_implementation(previous)
+
+
+@torch.no_grad()
+def attention_weights(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None):
+    """Per-layer attention weights `[B, H, T, T]` (float32; for LazyLlama after the ReLU) and the visibility
+    mask `[B, 1, T, T]` bool of the same call."""
+    with eager_attention(model):
+        out = model(input_ids=input_ids, attention_mask=attention_mask, output_attentions=True, use_cache=False)
+    q_pos, k_pos, q_seg, k_seg = lazy_attention_metadata(
+        attention_mask, None, 0, input_ids.shape[1], input_ids.shape[0], input_ids.device
+    )
+    length = input_ids.shape[1]
+    causal = torch.ones(length, length, dtype=torch.bool, device=input_ids.device).tril()
+    visible = ((q_seg[:, :, None] == k_seg[:, None, :]) & causal)[:, None]
+    return [w.float() for w in out.attentions], visible, q_pos, k_pos
+
+
+def _tile_density(weights: torch.Tensor, visible: torch.Tensor, tile: int) -> torch.Tensor:
+    """`[H]`: fraction of tiles with a visible pair that keep a non-zero weight (pooled over the batch)."""
+    bsz, heads, length, _ = weights.shape
+    tiles = math.ceil(length / tile)
+    pad = tiles * tile - length
+    alive = torch.nn.functional.pad((weights > 0).float(), (0, pad, 0, pad))
+    seen = torch.nn.functional.pad(visible.float(), (0, pad, 0, pad)).expand(bsz, heads, -1, -1)
+    alive = alive.view(bsz, heads, tiles, tile, tiles, tile).amax(dim=(3, 5))
+    seen = seen.reshape(bsz, heads, tiles, tile, tiles, tile).amax(dim=(3, 5))
+    return alive.sum(dim=(0, 2, 3)) / seen.sum(dim=(0, 2, 3)).clamp(min=1)
+
+
+@torch.no_grad()
+def attention_statistics(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, tile: int = TILE):
+    """Per layer and head: sparsity, tile density, sink, surviving mass, tau (SPEC section 5).
+
+    Returns a dict: `layers` (a list with, per layer, lists of `[H]` floats under `sparsity`, `tile_density`,
+    `sink`, `surviving_mass`, `tau`) and `mean` (each figure averaged over layers and heads).
+    """
+    weights, visible, q_pos, k_pos = attention_weights(model, input_ids, attention_mask)
+    row_visible = visible.sum(-1).float()  # [B, 1, T]
+    rows = row_visible > 0  # queries that see at least one key
+    first_key = visible & (k_pos == 0)[:, None, None, :]  # [B, 1, T, T]
+    sink_rows = rows & (q_pos > 0)[:, None, :]
+    layers = []
+    for layer, w in enumerate(weights):
+        zeros = ((w == 0) & visible).sum(-1).float()  # [B, H, T]
+        frac = torch.where(rows, zeros / row_visible.clamp(min=1), torch.zeros_like(zeros))
+        row_count = rows.float().sum(dim=(0, 2)).clamp(min=1)  # [1]
+        sparsity = frac.sum(dim=(0, 2)) / row_count
+        mass = (w * visible).sum(-1)
+        surviving = (mass * rows).sum(dim=(0, 2)) / row_count
+        sink_w = (w * first_key).sum(-1)
+        sink = (sink_w * sink_rows).sum(dim=(0, 2)) / sink_rows.float().sum(dim=(0, 2)).clamp(min=1)
+        attn = _attention_module(model, layer)
+        tau = attn.tau.detach().float().cpu() if hasattr(attn, "tau") else torch.zeros(w.shape[1])
+        layers.append({
+            "sparsity": sparsity.cpu().tolist(),
+            "tile_density": _tile_density(w, visible, tile).cpu().tolist(),
+            "sink": sink.cpu().tolist(),
+            "surviving_mass": surviving.cpu().tolist(),
+            "tau": tau.tolist(),
+        })
+    keys = ("sparsity", "tile_density", "sink", "surviving_mass", "tau")
+    mean = {k: sum(sum(layer[k]) / len(layer[k]) for layer in layers) / len(layers) for k in keys}
+    return {"layers": layers, "mean": mean}
+
+
+def _attention_module(model, layer: int):
+    base = getattr(model, "model", model)
+    return base.layers[layer].self_attn
+
+
+@torch.no_grad()
+def perplexity(model, token_ids: torch.Tensor, context: int = 512, stride: int | None = None, progress=None):
+    """Sliding-window perplexity of a 1-D token sequence: each window of `context` tokens scores only the tokens
+    not scored by the previous window (all of them for the first), so every token after the first is scored
+    exactly once with up to `context - 1` tokens of history.
+
+    Returns `{"perplexity", "nll", "tokens"}` with `perplexity = exp(nll)` and `nll` the mean over scored tokens.
+    `progress`, if given, is called with (windows done, windows total).
+    """
+    stride = stride or context
+    if token_ids.dim() != 1 or token_ids.numel() < 2:
+        raise ValueError("perplexity needs a 1-D sequence of at least 2 tokens")
+    if not 0 < stride <= context:
+        raise ValueError(f"stride must be in 1..context ({context}), got {stride}")
+    device = next(model.parameters()).device
+    total_nll, total_tokens, scored_until = 0.0, 0, 1  # token 0 is never scored (no history)
+    starts = list(range(0, max(1, token_ids.numel() - 1), stride))
+    for done, begin in enumerate(starts, 1):
+        end = min(begin + context, token_ids.numel())
+        window = token_ids[begin:end].to(device)[None]
+        logits = model(input_ids=window, use_cache=False).logits[0].float()
+        targets = window[0, 1:]
+        nll = torch.nn.functional.cross_entropy(logits[:-1], targets, reduction="none")
+        new = end - max(scored_until, begin + 1)  # tokens in this window not yet scored
+        if new > 0:
+            total_nll += nll[-new:].sum().item()
+            total_tokens += new
+            scored_until = end
+        if progress is not None:
+            progress(done, len(starts))
+        if end == token_ids.numel():
+            break
+    mean = total_nll / total_tokens
+    return {"perplexity": math.exp(mean), "nll": mean, "tokens": total_tokens}
