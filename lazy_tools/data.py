@@ -123,3 +123,33 @@ def _brown_dir() -> Path:
     _publish(tmp / "package", final)
     shutil.rmtree(tmp, ignore_errors=True)
     return final
+
+
+def pack_token_blocks(documents: list[list[int]], block_size: int, eos_token_id: int | None = None):
+    """Concatenate tokenised documents and cut them into blocks of `block_size` tokens.
+
+    Returns `(input_ids [N, block_size], position_ids [N, block_size])`, both int64. Positions restart at 0
+    at each document start (and at each block start), so with LazyLlama a packed document never attends to
+    its neighbours and gets exactly the `n_i = pos_i + 1` it would get alone (SPEC section 1). If
+    `eos_token_id` is given it is appended to every document. The last partial block is dropped.
+    """
+    import torch
+
+    if block_size < 2:
+        raise ValueError(f"block_size must be >= 2, got {block_size}")
+    ids, pos = [], []
+    for doc in documents:
+        doc = list(doc) + ([eos_token_id] if eos_token_id is not None else [])
+        ids.extend(doc)
+        pos.extend(range(len(doc)))
+    blocks = len(ids) // block_size
+    if blocks == 0:
+        raise ValueError(f"not enough tokens ({len(ids)}) for one block of {block_size}")
+    input_ids = torch.tensor(ids[: blocks * block_size], dtype=torch.long).view(blocks, block_size)
+    position_ids = torch.tensor(pos[: blocks * block_size], dtype=torch.long).view(blocks, block_size)
+    # A document cut by a block boundary continues in the next block as a fresh segment starting at 0.
+    starts = position_ids[:, :1].clone()
+    cont = position_ids - starts
+    broken = (cont < 0).cumsum(-1) > 0  # after a restart inside the block, keep the document's own positions
+    position_ids = torch.where(broken, position_ids, cont)
+    return input_ids, position_ids
