@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
                 raise ValueError(f"token id {int(ids.max())} is outside {name}'s vocabulary "
                                  f"({model.config.vocab_size}): the models must share the tokenizer")
             results.append(evaluate_perplexity(model, ids, args.context, args.stride, name, not args.no_progress))
-    except (NotALazyLlama, ValueError, FileNotFoundError) as error:
+    except (NotALazyLlama, ValueError, OSError) as error:
         raise SystemExit(f"lazy-evaluate: error: {error}") from None
     for result in results:
         print(f"{result['model']}: perplexity {result['perplexity']:.4f} (mean NLL {result['nll']:.4f} nats over "

@@ -397,7 +397,7 @@ def main(argv: list[str] | None = None) -> int:
             baseline_name=args.baseline, text_file=args.text, map_tokens=args.map_tokens, map_layers=map_layers,
             repeated_length=args.repeated_length,
         )
-    except (NotALazyLlama, ValueError, FileNotFoundError) as error:
+    except (NotALazyLlama, ValueError, OSError) as error:
         raise SystemExit(f"lazy-inspect: error: {error}") from None
     print(summary(report, args.out))
     return 0
