@@ -19,14 +19,14 @@ from lazy_tools.metrics import perplexity
 
 
 def evaluate_perplexity(model, token_ids, context: int, stride: int | None, name: str, show_progress: bool = True):
-    """`metrics.perplexity` with a progress bar; returns its dict plus `model`, `context`, `stride`."""
+    """`metrics.perplexity` with a progress bar; returns its dict (with the stride used) plus `model`."""
     with tqdm(desc=f"perplexity {name}", unit="window", disable=not show_progress) as bar:
         def progress(done, total):
             bar.total = total
             bar.update(done - bar.n)
 
         result = perplexity(model, token_ids, context=context, stride=stride, progress=progress)
-    return {"model": name, "context": context, "stride": stride or context, **result}
+    return {"model": name, **result}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -35,7 +35,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("model", help="LazyLlama folder or Hub id (converted or trained)")
     parser.add_argument("--text", required=True, help="UTF-8 text file to score")
     parser.add_argument("--context", type=int, default=512, help="tokens per window (default: %(default)s)")
-    parser.add_argument("--stride", type=int, help="tokens between window starts, 1..context (default: context)")
+    parser.add_argument("--stride", type=int, help="tokens between window starts, 1..context; capped at context - 1 "
+                        "so that windows overlap by a token (default: context - 1)")
     parser.add_argument("--max-tokens", type=int, help="score only the first N tokens of the text")
     parser.add_argument("--baseline", help="also score a vanilla Llama or LazyLlama with the same tokenizer")
     parser.add_argument("--tokenizer", help="tokenizer folder (default: MODEL's)")

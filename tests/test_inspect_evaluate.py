@@ -301,7 +301,9 @@ def test_inspect_vanilla_llama_baseline_and_refusal(tiny, tmp_path, capsys):
 
 
 def _direct_nll(model, ids: torch.Tensor, context: int, stride: int) -> list[float]:
-    """NLL of every token t >= 1, scored in the first window (starts 0, stride, ...) whose end passes t."""
+    """NLL of every token t >= 1, scored in the first window (starts 0, stride, ...) whose end passes t; windows
+    overlap by at least one token (stride <= context - 1), so t always has history inside its window."""
+    stride = min(stride, context - 1)
     nlls = []
     for t in range(1, ids.numel()):
         begin = max(0, math.ceil((t + 1 - context) / stride)) * stride
@@ -311,7 +313,7 @@ def _direct_nll(model, ids: torch.Tensor, context: int, stride: int) -> list[flo
     return nlls
 
 
-@pytest.mark.parametrize("context,stride", [(64, None), (16, 8)])
+@pytest.mark.parametrize("context,stride", [(64, None), (16, 8), (16, None)])
 def test_evaluate_perplexity_is_exp_mean_nll(tiny, tmp_path, capsys, context, stride):
     out = tmp_path / "ppl.json"
     argv = [str(tiny["lazy"]), "--text", str(tiny["text"]), "--context", str(context), "--max-tokens", "40",
