@@ -16,7 +16,8 @@ Kernels, in data-flow order:
     _lazy_fwd_split_lse_kernel / _lazy_fwd_split_out_kernel
                                split-K decode: each program covers a slice of the keys; partial (max, sum)
                                and partial outputs are combined with a few torch ops (no host sync)
-    _lazy_bwd_dq_kernel        dq, Delta (exact: sum of m * p * dP in float32) and per-tile d tau partials
+    _lazy_bwd_delta_kernel     backward preprocess: Delta_i = sum_j m p dP (float32) and per-tile d tau partials
+    _lazy_bwd_dq_kernel        dq, FlashAttention-2 style with the elastic-softmax dS
     _lazy_bwd_dkdv_kernel      dk, dv (GQA: loops over the query heads of one KV head, never repeats K/V)
                                and per-tile d distance_bias partials
 Then the launchers, the `autograd.Function`, and the public `lazy_attention_triton`.
@@ -49,20 +50,27 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # Block configurations (the ones shipped; tests/test_triton_aot.py compiles every one for sm_80/sm_90).
 # ---------------------------------------------------------------------------------------------------
 MAX_HEAD_DIM = 256
-FWD_BLOCK_M, FWD_BLOCK_N = 128, 64  # prefill forward
-DECODE_BLOCK_M, DECODE_BLOCK_N = 16, 64  # query length <= 16 (decode, short chunks); tl.dot needs >= 16
-BWD_BLOCK_M, BWD_BLOCK_N = 64, 64  # dq and dk/dv kernels
-SPLIT_MIN_KEYS = 4 * DECODE_BLOCK_N  # a split-K slice covers at least this many keys
+DECODE_MAX_QUERIES = 16  # query length <= this uses the decode blocks (tl.dot needs tiles >= 16)
+SPLIT_MIN_KEYS = 256  # a split-K slice covers at least this many keys
+
+# (kernel kind, padded head dim) -> (BLOCK_M, BLOCK_N, num_warps, num_stages). Padded head dims up to 64
+# use the 64 row, larger ones the 128 row (256 works but is not tuned). Chosen so that no build spills.
+_CONFIGS = {
+    ("fwd", 64): (128, 64, 4, 2),
+    ("fwd", 128): (128, 64, 8, 2),
+    ("decode", 64): (16, 64, 4, 2),
+    ("decode", 128): (16, 64, 4, 2),
+    ("delta", 64): (64, 64, 4, 2),
+    ("delta", 128): (64, 64, 8, 2),
+    ("dq", 64): (64, 64, 4, 2),
+    ("dq", 128): (64, 64, 8, 2),
+    ("dkdv", 64): (64, 64, 4, 2),
+    ("dkdv", 128): (64, 64, 8, 2),
+}
 
 
-def _num_warps(kind: str, block_d: int) -> int:
-    if kind == "decode":
-        return 4
-    return 4 if block_d <= 64 else 8
-
-
-def _num_stages(kind: str, block_d: int) -> int:
-    return 2
+def _config(kind: str, block_d: int) -> tuple[int, int, int, int]:
+    return _CONFIGS[(kind, 64 if block_d <= 64 else 128)]
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -87,17 +95,20 @@ def _visible(q_seg, q_key_idx, KSEG, keys, Tk):
 
 
 @triton.jit
-def _scores(q, K, stride_kt, KPOS, bias_row, q_pos, visible, keys, offs_d, Tk, W, scaling,
-            D: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+def _load_rows(ptr, stride, idx, offs_d, n, D: tl.constexpr):
+    """`[len(idx), BLOCK_D]` tile of rows `idx` (< n) of a `[n, D]` matrix with row stride `stride`; 0 padded."""
+    return tl.load(ptr + idx[:, None] * stride + offs_d[None, :], mask=(idx[:, None] < n) & (offs_d[None, :] < D),
+                   other=0.0)
+
+
+@triton.jit
+def _scores(q, k, KPOS, bias_row, q_pos, visible, keys, Tk, W, scaling,
+            UPCAST: tl.constexpr, PRECISION: tl.constexpr):
     """`[BM, BN]` float32 scores `scaling * q k^T + beta(pos_i - pos_j)`, -inf where not visible."""
-    k_mask = keys < Tk
-    k = tl.load(K + keys[:, None] * stride_kt + offs_d[None, :], mask=k_mask[:, None] & (offs_d[None, :] < D),
-                other=0.0)
     s = _dot(q, tl.trans(k), UPCAST, PRECISION) * scaling
-    k_pos = tl.load(KPOS + keys, mask=k_mask, other=0)
+    k_pos = tl.load(KPOS + keys, mask=keys < Tk, other=0)
     dist = q_pos[:, None] - k_pos[None, :]
-    in_window = visible & (dist >= 0) & (dist < W)
-    s += tl.load(bias_row + dist, mask=in_window, other=0.0)
+    s += tl.load(bias_row + dist, mask=visible & (dist >= 0) & (dist < W), other=0.0)
     return tl.where(visible, s, float("-inf"))
 
 
@@ -114,8 +125,8 @@ def _lse_pass(q, q_pos, q_seg, q_key_idx, K, stride_kt, KPOS, KSEG, bias_row, lo
         keys = start_n + offs_n
         visible = _visible(q_seg, q_key_idx, KSEG, keys, Tk)
         if tl.max(visible.to(tl.int32)) > 0:  # tile of another document / padding: skipped
-            s = _scores(q, K, stride_kt, KPOS, bias_row, q_pos, visible, keys, offs_d, Tk, W, scaling,
-                        D, UPCAST, PRECISION)
+            k = _load_rows(K, stride_kt, keys, offs_d, Tk, D)
+            s = _scores(q, k, KPOS, bias_row, q_pos, visible, keys, Tk, W, scaling, UPCAST, PRECISION)
             m_new = tl.maximum(m_i, tl.max(s, 1))
             l_i = l_i * tl.exp(m_i - m_new) + tl.sum(tl.exp(s - m_new[:, None]), 1)
             m_i = m_new
@@ -138,14 +149,13 @@ def _out_pass(q, q_pos, q_seg, q_key_idx, lse, threshold, K, V, stride_kt, strid
         visible = _visible(q_seg, q_key_idx, KSEG, keys, Tk)
         if tl.max(visible.to(tl.int32)) > 0:
             visible_tiles += 1
-            s = _scores(q, K, stride_kt, KPOS, bias_row, q_pos, visible, keys, offs_d, Tk, W, scaling,
-                        D, UPCAST, PRECISION)
+            k = _load_rows(K, stride_kt, keys, offs_d, Tk, D)
+            s = _scores(q, k, KPOS, bias_row, q_pos, visible, keys, Tk, W, scaling, UPCAST, PRECISION)
             p = tl.exp(s - lse[:, None])
             a = tl.where(visible, tl.maximum(p + threshold[:, None], 0.0), 0.0)  # float32 threshold test
             if (tl.max(a) > 0.0) | (not SKIP):  # all-zero tile: its value block is never read
                 visited += 1
-                v = tl.load(V + keys[:, None] * stride_vt + offs_d[None, :],
-                            mask=(keys[:, None] < Tk) & (offs_d[None, :] < D), other=0.0)
+                v = _load_rows(V, stride_vt, keys, offs_d, Tk, D)
                 acc += _dot(a.to(v.dtype), v, UPCAST, PRECISION)
     return acc, visited, visible_tiles
 
@@ -265,72 +275,102 @@ def _lazy_fwd_split_out_kernel(Q, K, V, TAU, BIAS, QPOS, KPOS, QSEG, KSEG, LSE, 
 
 
 @triton.jit
-def _lazy_bwd_dq_kernel(Q, K, V, TAU, BIAS, QPOS, KPOS, QSEG, KSEG, LSE, DO, DQ, DELTA, DTAU_PART,
-                        stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt,
-                        stride_vb, stride_vh, stride_vt, stride_dob, stride_doh, stride_dot,
-                        Hq, Tq, Tk, W, GROUPS, scaling,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, D: tl.constexpr,
-                        SKIP: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
-    """dq for one query tile, with Delta computed exactly on the way. Grid: (cdiv(Tq, BM), B * Hq).
-
-    dS_ij = p_ij (m_ij dP_ij - Delta_i) is split as dq_i = scaling * (sum_j p m dP k_j - Delta_i sum_j p k_j),
-    so one sweep over the keys gives dq and Delta_i = sum_j m p dP (stored for the dk/dv kernel), and
-    d tau_h's partial sum_i (1/n_i) sum_j m dP for this tile.
-    """
+def _bwd_query_tile(Q, DO, TAU, QPOS, QSEG, LSE, stride_qb, stride_qh, stride_qt, stride_dob, stride_doh, stride_dot,
+                    Hq, Tq, Tk, GROUPS, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, D: tl.constexpr):
+    """Prologue shared by the Delta and dq kernels: one query tile of one query head. Grid: (cdiv(Tq, BM), B*Hq)."""
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = (pid_bh // Hq).to(tl.int64)
-    h = pid_bh % Hq
-    hk = (h // GROUPS).to(tl.int64)
+    h = (pid_bh % Hq).to(tl.int64)
+    hk = h // GROUPS
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     row_mask = rows < Tq
-    tile_mask = row_mask[:, None] & (offs_d[None, :] < D)
-    q = tl.load(Q + b * stride_qb + h.to(tl.int64) * stride_qh + rows[:, None] * stride_qt + offs_d[None, :],
-                mask=tile_mask, other=0.0)
-    do = tl.load(DO + b * stride_dob + h.to(tl.int64) * stride_doh + rows[:, None] * stride_dot + offs_d[None, :],
-                 mask=tile_mask, other=0.0)
+    q = _load_rows(Q + b * stride_qb + h * stride_qh, stride_qt, rows, offs_d, Tq, D)
+    do = _load_rows(DO + b * stride_dob + h * stride_doh, stride_dot, rows, offs_d, Tq, D)
     q_pos = tl.load(QPOS + b * Tq + rows, mask=row_mask, other=0)
     q_seg = tl.load(QSEG + b * Tq + rows, mask=row_mask, other=-4)
     lse = tl.load(LSE + pid_bh.to(tl.int64) * Tq + rows, mask=row_mask, other=0.0)
     inv_n = 1.0 / (q_pos + 1).to(tl.float32)
     threshold = tl.load(TAU + h) * inv_n
-    offset = Tk - Tq
-    q_key_idx = rows + offset
+    hi = tl.minimum(Tk, (pid_m + 1) * BLOCK_M + Tk - Tq)  # keys past the tile's last row are never visible
+    return pid_m, pid_bh, b, h, hk, rows, offs_d, row_mask, q, do, q_pos, q_seg, lse, inv_n, threshold, hi
+
+
+@triton.jit
+def _lazy_bwd_delta_kernel(Q, K, V, TAU, BIAS, QPOS, KPOS, QSEG, KSEG, LSE, DO, DELTA, DTAU_PART,
+                           stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt,
+                           stride_vb, stride_vh, stride_vt, stride_dob, stride_doh, stride_dot,
+                           Hq, Tq, Tk, W, GROUPS, scaling,
+                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, D: tl.constexpr,
+                           SKIP: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    """Backward preprocess: the elastic-softmax Delta_i = sum_j m_ij p_ij dP_ij (NOT rowsum(dO * O)).
+
+    Also writes this tile's d tau partial, sum_i (1/n_i) sum_j m_ij dP_ij, to DTAU_PART [B * Hq, q tiles].
+    Only row sums live across the loop, so this sweep is light; all-dead key tiles read no V.
+    """
+    pid_m, pid_bh, b, h, hk, rows, offs_d, row_mask, q, do, q_pos, q_seg, lse, inv_n, threshold, hi = \
+        _bwd_query_tile(Q, DO, TAU, QPOS, QSEG, LSE, stride_qb, stride_qh, stride_qt, stride_dob, stride_doh,
+                        stride_dot, Hq, Tq, Tk, GROUPS, BLOCK_M, BLOCK_D, D)
     K_ = K + b * stride_kb + hk * stride_kh
     V_ = V + b * stride_vb + hk * stride_vh
-    bias_row = BIAS + h * W
-    hi = tl.minimum(Tk, (pid_m + 1) * BLOCK_M + offset)
-
-    acc_alive = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)  # sum_j p m dP k_j
-    acc_all = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)  # sum_j p k_j
+    offs_n = tl.arange(0, BLOCK_N)
     delta = tl.zeros([BLOCK_M], tl.float32)  # sum_j m p dP
     m_dp_sum = tl.zeros([BLOCK_M], tl.float32)  # sum_j m dP
     for start_n in range(0, hi, BLOCK_N):
         keys = start_n + offs_n
-        visible = _visible(q_seg, q_key_idx, KSEG + b * Tk, keys, Tk)
+        visible = _visible(q_seg, rows + Tk - Tq, KSEG + b * Tk, keys, Tk)
         if tl.max(visible.to(tl.int32)) > 0:
-            s = _scores(q, K_, stride_kt, KPOS + b * Tk, bias_row, q_pos, visible, keys, offs_d, Tk, W, scaling,
-                        D, UPCAST, PRECISION)
+            k = _load_rows(K_, stride_kt, keys, offs_d, Tk, D)
+            s = _scores(q, k, KPOS + b * Tk, BIAS + h * W, q_pos, visible, keys, Tk, W, scaling, UPCAST, PRECISION)
             p = tl.exp(s - lse[:, None])
             alive = visible & (p + threshold[:, None] > 0.0)
-            k_mask = (keys[:, None] < Tk) & (offs_d[None, :] < D)
-            k = tl.load(K_ + keys[:, None] * stride_kt + offs_d[None, :], mask=k_mask, other=0.0)
-            acc_all += _dot(p.to(k.dtype), k, UPCAST, PRECISION)
             if (tl.max(alive.to(tl.int32)) > 0) | (not SKIP):  # all-dead tile: m dP = 0, no V read
-                v = tl.load(V_ + keys[:, None] * stride_vt + offs_d[None, :], mask=k_mask, other=0.0)
+                v = _load_rows(V_, stride_vt, keys, offs_d, Tk, D)
                 dp = tl.where(alive, _dot(do, tl.trans(v), UPCAST, PRECISION), 0.0)
                 m_dp_sum += tl.sum(dp, 1)
-                p_dp = p * dp
-                delta += tl.sum(p_dp, 1)
-                acc_alive += _dot(p_dp.to(k.dtype), k, UPCAST, PRECISION)
-    dq = (acc_alive - delta[:, None] * acc_all) * scaling
-    tl.store(DQ + b * stride_qb + h.to(tl.int64) * stride_qh + rows[:, None] * stride_qt + offs_d[None, :],
-             dq.to(DQ.dtype.element_ty), mask=tile_mask)
+                delta += tl.sum(p * dp, 1)
     tl.store(DELTA + pid_bh.to(tl.int64) * Tq + rows, delta, mask=row_mask)
     tl.store(DTAU_PART + pid_bh.to(tl.int64) * tl.num_programs(0) + pid_m,
              tl.sum(tl.where(row_mask, m_dp_sum * inv_n, 0.0), 0))
+
+
+@triton.jit
+def _lazy_bwd_dq_kernel(Q, K, V, TAU, BIAS, QPOS, KPOS, QSEG, KSEG, LSE, DO, DELTA, DQ,
+                        stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt,
+                        stride_vb, stride_vh, stride_vt, stride_dob, stride_doh, stride_dot,
+                        Hq, Tq, Tk, W, GROUPS, scaling,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, D: tl.constexpr,
+                        SKIP: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    """dq_i = scaling * sum_j dS_ij k_j with dS = p (m dP - Delta), as in FlashAttention-2.
+
+    dq stays dense (an all-dead tile still has dS = -p * Delta), but such a tile reads no V and skips dO V^T.
+    """
+    pid_m, pid_bh, b, h, hk, rows, offs_d, row_mask, q, do, q_pos, q_seg, lse, inv_n, threshold, hi = \
+        _bwd_query_tile(Q, DO, TAU, QPOS, QSEG, LSE, stride_qb, stride_qh, stride_qt, stride_dob, stride_doh,
+                        stride_dot, Hq, Tq, Tk, GROUPS, BLOCK_M, BLOCK_D, D)
+    delta = tl.load(DELTA + pid_bh.to(tl.int64) * Tq + rows, mask=row_mask, other=0.0)
+    K_ = K + b * stride_kb + hk * stride_kh
+    V_ = V + b * stride_vb + hk * stride_vh
+    offs_n = tl.arange(0, BLOCK_N)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for start_n in range(0, hi, BLOCK_N):
+        keys = start_n + offs_n
+        visible = _visible(q_seg, rows + Tk - Tq, KSEG + b * Tk, keys, Tk)
+        if tl.max(visible.to(tl.int32)) > 0:
+            k = _load_rows(K_, stride_kt, keys, offs_d, Tk, D)
+            s = _scores(q, k, KPOS + b * Tk, BIAS + h * W, q_pos, visible, keys, Tk, W, scaling, UPCAST, PRECISION)
+            p = tl.exp(s - lse[:, None])
+            alive = visible & (p + threshold[:, None] > 0.0)
+            if (tl.max(alive.to(tl.int32)) > 0) | (not SKIP):
+                v = _load_rows(V_, stride_vt, keys, offs_d, Tk, D)
+                dp = tl.where(alive, _dot(do, tl.trans(v), UPCAST, PRECISION), 0.0)
+                ds = p * (dp - delta[:, None])
+            else:
+                ds = -p * delta[:, None]
+            acc += _dot(ds.to(k.dtype), k, UPCAST, PRECISION)
+    tl.store(DQ + b * stride_qb + h * stride_qh + rows[:, None] * stride_qt + offs_d[None, :],
+             (acc * scaling).to(DQ.dtype.element_ty), mask=row_mask[:, None] & (offs_d[None, :] < D))
 
 
 @triton.jit
@@ -456,16 +496,15 @@ def _forward(query, key, value, tau, distance_bias, q_pos, k_pos, q_seg, k_seg, 
     bsz, num_heads, q_len, dim = query.shape
     kv_heads, k_len, window = key.shape[1], key.shape[2], distance_bias.shape[-1]
     query, key, value = (_last_dim_contiguous(x) for x in (query, key, value))
-    decode = q_len <= DECODE_BLOCK_M
-    block_m, block_n = (DECODE_BLOCK_M, DECODE_BLOCK_N) if decode else (FWD_BLOCK_M, FWD_BLOCK_N)
+    decode = q_len <= DECODE_MAX_QUERIES
+    block_m, block_n, num_warps, num_stages = _config("decode" if decode else "fwd", block_d)
     q_tiles = triton.cdiv(q_len, block_m)
     if num_splits is None:
         num_splits = _device_splits(bsz * num_heads, q_tiles, k_len, query.device) if decode else 1
     out = torch.empty(bsz, q_len, num_heads, dim, dtype=query.dtype, device=query.device)
     lse = torch.empty(bsz, num_heads, q_len, dtype=torch.float32, device=query.device)
     meta = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, D=dim, UPCAST=_INTERPRET,
-                PRECISION=_DOT_PRECISION[query.dtype], num_warps=_num_warps("decode" if decode else "fwd", block_d),
-                num_stages=_num_stages("fwd", block_d))
+                PRECISION=_DOT_PRECISION[query.dtype], num_warps=num_warps, num_stages=num_stages)
     tau = tau.detach().to(torch.float32).contiguous()
     bias = distance_bias.detach().to(torch.float32).contiguous()
     groups = num_heads // kv_heads
@@ -503,7 +542,9 @@ def _forward(query, key, value, tau, distance_bias, q_pos, k_pos, q_seg, k_seg, 
 
 def _backward(grad_out, query, key, value, tau, distance_bias, q_pos, k_pos, q_seg, k_seg, lse, scaling,
               skip=True):
-    """Launch dq (with Delta and d tau partials), then dk/dv (with d distance_bias partials)."""
+    """Launch Delta (with d tau partials), dq, then dk/dv (with d distance_bias partials); no atomics across programs.
+
+    Returns `(dq, dk, dv, d_tau [Hq] float32, d_bias [Hq, W] float32)`."""
     block_d = _check_inputs(query, key)
     bsz, num_heads, q_len, dim = query.shape
     kv_heads, k_len, window = key.shape[1], key.shape[2], distance_bias.shape[-1]
@@ -512,25 +553,30 @@ def _backward(grad_out, query, key, value, tau, distance_bias, q_pos, k_pos, q_s
     groups = num_heads // kv_heads
     tau32 = tau.detach().to(torch.float32).contiguous()
     bias32 = distance_bias.detach().to(torch.float32).contiguous()
-    meta = dict(BLOCK_M=BWD_BLOCK_M, BLOCK_N=BWD_BLOCK_N, BLOCK_D=block_d, D=dim, SKIP=skip, UPCAST=_INTERPRET,
-                PRECISION=_DOT_PRECISION[query.dtype], num_warps=_num_warps("bwd", block_d),
-                num_stages=_num_stages("bwd", block_d))
-    q_tiles, k_tiles = triton.cdiv(q_len, BWD_BLOCK_M), triton.cdiv(k_len, BWD_BLOCK_N)
+    common = dict(BLOCK_D=block_d, D=dim, SKIP=skip, UPCAST=_INTERPRET, PRECISION=_DOT_PRECISION[query.dtype])
+    delta_m, delta_n, delta_warps, delta_stages = _config("delta", block_d)
+    dq_m, dq_n, dq_warps, dq_stages = _config("dq", block_d)
+    kv_m, kv_n, kv_warps, kv_stages = _config("dkdv", block_d)
     dq = torch.empty_like(query)
     dk = torch.empty_like(key)
     dv = torch.empty_like(value)
     delta = torch.empty(bsz, num_heads, q_len, dtype=torch.float32, device=query.device)
-    dtau_part = torch.empty(bsz, num_heads, q_tiles, dtype=torch.float32, device=query.device)
+    dtau_part = torch.empty(bsz, num_heads, triton.cdiv(q_len, delta_m), dtype=torch.float32, device=query.device)
+    k_tiles = triton.cdiv(k_len, kv_n)
     dbias_part = torch.zeros(bsz, num_heads, k_tiles, window, dtype=torch.float32, device=query.device)
     strides = (query.stride(0), query.stride(1), query.stride(2), key.stride(0), key.stride(1), key.stride(2),
                value.stride(0), value.stride(1), value.stride(2), grad_out.stride(0), grad_out.stride(2),
                grad_out.stride(1))
-    _lazy_bwd_dq_kernel[(q_tiles, bsz * num_heads)](
-        query, key, value, tau32, bias32, q_pos, k_pos, q_seg, k_seg, lse, grad_out, dq, delta, dtau_part,
-        *strides, num_heads, q_len, k_len, window, groups, scaling, **meta)
+    inputs = (query, key, value, tau32, bias32, q_pos, k_pos, q_seg, k_seg, lse)
+    _lazy_bwd_delta_kernel[(triton.cdiv(q_len, delta_m), bsz * num_heads)](
+        *inputs, grad_out, delta, dtau_part, *strides, num_heads, q_len, k_len, window, groups, scaling,
+        BLOCK_M=delta_m, BLOCK_N=delta_n, num_warps=delta_warps, num_stages=delta_stages, **common)
+    _lazy_bwd_dq_kernel[(triton.cdiv(q_len, dq_m), bsz * num_heads)](
+        *inputs, grad_out, delta, dq, *strides, num_heads, q_len, k_len, window, groups, scaling,
+        BLOCK_M=dq_m, BLOCK_N=dq_n, num_warps=dq_warps, num_stages=dq_stages, **common)
     _lazy_bwd_dkdv_kernel[(k_tiles, bsz * kv_heads)](
-        query, key, value, tau32, bias32, q_pos, k_pos, q_seg, k_seg, lse, delta, grad_out, dk, dv, dbias_part,
-        *strides, num_heads, kv_heads, q_len, k_len, window, groups, scaling, **meta)
+        *inputs, delta, grad_out, dk, dv, dbias_part, *strides, num_heads, kv_heads, q_len, k_len, window, groups,
+        scaling, BLOCK_M=kv_m, BLOCK_N=kv_n, num_warps=kv_warps, num_stages=kv_stages, **common)
     return dq, dk, dv, dtau_part.sum(dim=(0, 2)), dbias_part.sum(dim=(0, 2))
 
 
