@@ -38,6 +38,7 @@ def load_kernels():
     try:
         spec = importlib.util.spec_from_file_location("_lazy_attention_triton_aot", KERNEL_FILE)
         module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module
         spec.loader.exec_module(module)
     finally:
         if saved is not None:
@@ -122,7 +123,8 @@ def resource_usage(compiled) -> dict:
     fields = dict(re.findall(r"(REG|STACK|SHARED|LOCAL):(\d+)", text))
     if "REG" not in fields:
         raise RuntimeError(f"cannot parse cuobjdump output:\n{text}")
-    return {"registers": int(fields["REG"]), "local": int(fields["LOCAL"]), "stack": int(fields.get("STACK", 0)),
+    # Spilled registers show up as a stack frame (STACK) and/or LOCAL bytes; both must be zero.
+    return {"registers": int(fields["REG"]), "spill": int(fields["LOCAL"]) + int(fields.get("STACK", 0)),
             "shared": int(fields.get("SHARED", 0)) + int(compiled.metadata.shared),
             "wgmma": "wgmma.mma_async" in compiled.asm["ptx"]}
 
@@ -146,7 +148,7 @@ def compile_all(builds=None, workers: int | None = None) -> list[tuple[Build, di
 
 def markdown_table(rows) -> str:
     module = load_kernels()
-    lines = ["| kernel | blocks (M x N) | warps | dtype | D | arch | registers | shared (B) | local/spill (B) | wgmma |",
+    lines = ["| kernel | blocks (M x N) | warps | dtype | D | arch | registers | shared (B) | local+stack (spill, B) | wgmma |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for build, usage, _ in rows:
         c = _constexprs(module, build)
@@ -154,7 +156,7 @@ def markdown_table(rows) -> str:
         wgmma = ("yes" if usage["wgmma"] else "no") if build.arch >= 90 else "n/a"
         lines.append(f"| {build.kernel} ({build.kind}) | {c['BLOCK_M']} x {c['BLOCK_N']} | {warps} | "
                      f"{_DTYPE_NAMES[build.dtype]} | {build.head_dim} | sm_{build.arch} | {usage['registers']} | "
-                     f"{usage['shared']} | {usage['local']} | {wgmma} |")
+                     f"{usage['shared']} | {usage['spill']} | {wgmma} |")
     return "\n".join(lines)
 
 
@@ -169,7 +171,7 @@ def main() -> None:
     print(f"triton {triton.__version__}, torch {torch.__version__}, {len(rows)} builds in "
           f"{time.perf_counter() - start:.0f} s on {os.cpu_count()} CPU cores\n")
     print(markdown_table(rows))
-    spills = [r for r in rows if r[1]["local"]]
+    spills = [r for r in rows if r[1]["spill"]]
     print(f"\nbuilds with spills: {len(spills)}")
 
 

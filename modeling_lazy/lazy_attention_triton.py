@@ -57,7 +57,7 @@ SPLIT_MIN_KEYS = 256  # a split-K slice covers at least this many keys
 # use the 64 row, larger ones the 128 row (256 works but is not tuned). Chosen so that no build spills.
 _CONFIGS = {
     ("fwd", 64): (128, 64, 4, 2),
-    ("fwd", 128): (128, 64, 8, 2),
+    ("fwd", 128): (128, 32, 8, 2),
     ("decode", 64): (16, 64, 4, 2),
     ("decode", 128): (16, 64, 4, 2),
     ("delta", 64): (64, 64, 4, 2),
@@ -65,7 +65,7 @@ _CONFIGS = {
     ("dq", 64): (64, 64, 4, 2),
     ("dq", 128): (64, 64, 8, 2),
     ("dkdv", 64): (64, 64, 4, 2),
-    ("dkdv", 128): (64, 64, 8, 2),
+    ("dkdv", 128): (128, 32, 8, 2),
 }
 
 
@@ -474,6 +474,16 @@ def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
+def _with_gradient_buffer(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(x, empty gradient with x's strides)`; x is made contiguous when its layout cannot be mirrored."""
+    x = _last_dim_contiguous(x)
+    grad = torch.empty_like(x)
+    if grad.stride() != x.stride():  # e.g. a slice of a larger cache: kernels index both with x's strides
+        x = x.contiguous()
+        grad = torch.empty_like(x)
+    return x, grad
+
+
 def _device_splits(batch_heads: int, q_tiles: int, key_length: int, device: torch.device) -> int:
     """Split-K factor for short queries: enough programs to fill the GPU, each over >= SPLIT_MIN_KEYS keys."""
     if device.type != "cuda":
@@ -548,7 +558,7 @@ def _backward(grad_out, query, key, value, tau, distance_bias, q_pos, k_pos, q_s
     block_d = _check_inputs(query, key)
     bsz, num_heads, q_len, dim = query.shape
     kv_heads, k_len, window = key.shape[1], key.shape[2], distance_bias.shape[-1]
-    query, key, value = (_last_dim_contiguous(x) for x in (query, key, value))
+    (query, dq), (key, dk), (value, dv) = (_with_gradient_buffer(x) for x in (query, key, value))
     grad_out = _last_dim_contiguous(grad_out)
     groups = num_heads // kv_heads
     tau32 = tau.detach().to(torch.float32).contiguous()
@@ -557,9 +567,6 @@ def _backward(grad_out, query, key, value, tau, distance_bias, q_pos, k_pos, q_s
     delta_m, delta_n, delta_warps, delta_stages = _config("delta", block_d)
     dq_m, dq_n, dq_warps, dq_stages = _config("dq", block_d)
     kv_m, kv_n, kv_warps, kv_stages = _config("dkdv", block_d)
-    dq = torch.empty_like(query)
-    dk = torch.empty_like(key)
-    dv = torch.empty_like(value)
     delta = torch.empty(bsz, num_heads, q_len, dtype=torch.float32, device=query.device)
     dtau_part = torch.empty(bsz, num_heads, triton.cdiv(q_len, delta_m), dtype=torch.float32, device=query.device)
     k_tiles = triton.cdiv(k_len, kv_n)
