@@ -71,8 +71,12 @@ def shipped_builds(dtypes=(torch.bfloat16, torch.float16, torch.float32)) -> lis
     return builds
 
 
+def _family(build: Build) -> str:
+    return "sm90" if build.arch >= 90 else "sm80"
+
+
 def _constexprs(module, build: Build) -> dict:
-    block_m, block_n, _, _ = module._config(build.kind, max(16, build.head_dim))
+    block_m, block_n, _, _ = module._config(build.kind, max(16, build.head_dim), _family(build))
     return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=max(16, build.head_dim), D=build.head_dim,
                 SKIP=True, WITH_STATS=False, UPCAST=False, PRECISION=module._DOT_PRECISION[build.dtype])
 
@@ -101,7 +105,7 @@ def compile_build(module, build: Build):
             signature[name] = "i32"
         if signature[name].startswith("*") or name.startswith("stride"):
             attrs[(index,)] = [["tt.divisibility", 16]]  # what the JIT sees for aligned tensors / D-multiple strides
-    _, _, num_warps, num_stages = module._config(build.kind, constexprs["BLOCK_D"])
+    _, _, num_warps, num_stages = module._config(build.kind, constexprs["BLOCK_D"], _family(build))
     options = {"num_warps": num_warps, "num_stages": num_stages}
     source = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
     return triton.compile(source, target=GPUTarget("cuda", build.arch, 32), options=options)
@@ -152,7 +156,7 @@ def markdown_table(rows) -> str:
              "|---|---|---|---|---|---|---|---|---|---|"]
     for build, usage, _ in rows:
         c = _constexprs(module, build)
-        warps = module._config(build.kind, c["BLOCK_D"])[2]
+        warps = module._config(build.kind, c["BLOCK_D"], _family(build))[2]
         wgmma = ("yes" if usage["wgmma"] else "no") if build.arch >= 90 else "n/a"
         lines.append(f"| {build.kernel} ({build.kind}) | {c['BLOCK_M']} x {c['BLOCK_N']} | {warps} | "
                      f"{_DTYPE_NAMES[build.dtype]} | {build.head_dim} | sm_{build.arch} | {usage['registers']} | "

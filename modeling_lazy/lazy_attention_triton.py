@@ -53,24 +53,47 @@ MAX_HEAD_DIM = 256
 DECODE_MAX_QUERIES = 16  # query length <= this uses the decode blocks (tl.dot needs tiles >= 16)
 SPLIT_MIN_KEYS = 256  # a split-K slice covers at least this many keys
 
-# (kernel kind, padded head dim) -> (BLOCK_M, BLOCK_N, num_warps, num_stages). Padded head dims up to 64
-# use the 64 row, larger ones the 128 row (256 works but is not tuned). Chosen so that no build spills.
+# GPU family -> (kernel kind, padded head dim) -> (BLOCK_M, BLOCK_N, num_warps, num_stages). Padded head
+# dims up to 64 use the 64 rows, larger ones the 128 rows (256 runs but is not tuned). Chosen so that no
+# build spills registers (tests/test_triton_aot.py); Ampere's mma.sync keeps more of each tile in
+# registers than Hopper's wgmma, so its tiles are smaller. Other GPUs use the sm80 table.
 _CONFIGS = {
-    ("fwd", 64): (128, 64, 4, 2),
-    ("fwd", 128): (128, 32, 8, 2),
-    ("decode", 64): (16, 64, 4, 2),
-    ("decode", 128): (16, 64, 4, 2),
-    ("delta", 64): (64, 64, 4, 2),
-    ("delta", 128): (64, 64, 8, 2),
-    ("dq", 64): (64, 64, 4, 2),
-    ("dq", 128): (64, 64, 8, 2),
-    ("dkdv", 64): (64, 64, 4, 2),
-    ("dkdv", 128): (128, 32, 8, 2),
+    "sm90": {
+        ("fwd", 64): (128, 64, 8, 2),
+        ("fwd", 128): (128, 32, 8, 2),
+        ("decode", 64): (16, 64, 4, 2),
+        ("decode", 128): (16, 64, 4, 2),
+        ("delta", 64): (64, 64, 4, 2),
+        ("delta", 128): (64, 64, 8, 2),
+        ("dq", 64): (64, 64, 4, 2),
+        ("dq", 128): (64, 64, 8, 2),
+        ("dkdv", 64): (128, 32, 8, 2),
+        ("dkdv", 128): (128, 32, 8, 2),
+    },
+    "sm80": {
+        ("fwd", 64): (64, 64, 8, 2),
+        ("fwd", 128): (64, 32, 8, 2),
+        ("decode", 64): (16, 64, 4, 2),
+        ("decode", 128): (16, 64, 4, 2),
+        ("delta", 64): (64, 64, 4, 2),
+        ("delta", 128): (64, 64, 8, 2),
+        ("dq", 64): (64, 32, 8, 2),
+        ("dq", 128): (64, 32, 8, 2),
+        ("dkdv", 64): (64, 32, 8, 2),
+        ("dkdv", 128): (32, 64, 8, 2),
+    },
 }
 
 
-def _config(kind: str, block_d: int) -> tuple[int, int, int, int]:
-    return _CONFIGS[(kind, 64 if block_d <= 64 else 128)]
+def _gpu_family(device: torch.device) -> str:
+    """`"sm90"` for Hopper and newer, `"sm80"` for older GPUs; the interpreter (CPU) runs the sm90 blocks."""
+    if device.type == "cuda" and torch.cuda.get_device_capability(device)[0] < 9:
+        return "sm80"
+    return "sm90"
+
+
+def _config(kind: str, block_d: int, family: str = "sm90") -> tuple[int, int, int, int]:
+    return _CONFIGS[family][(kind, 64 if block_d <= 64 else 128)]
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -507,7 +530,8 @@ def _forward(query, key, value, tau, distance_bias, q_pos, k_pos, q_seg, k_seg, 
     kv_heads, k_len, window = key.shape[1], key.shape[2], distance_bias.shape[-1]
     query, key, value = (_last_dim_contiguous(x) for x in (query, key, value))
     decode = q_len <= DECODE_MAX_QUERIES
-    block_m, block_n, num_warps, num_stages = _config("decode" if decode else "fwd", block_d)
+    block_m, block_n, num_warps, num_stages = _config("decode" if decode else "fwd", block_d,
+                                                      _gpu_family(query.device))
     q_tiles = triton.cdiv(q_len, block_m)
     if num_splits is None:
         num_splits = _device_splits(bsz * num_heads, q_tiles, k_len, query.device) if decode else 1
@@ -564,9 +588,10 @@ def _backward(grad_out, query, key, value, tau, distance_bias, q_pos, k_pos, q_s
     tau32 = tau.detach().to(torch.float32).contiguous()
     bias32 = distance_bias.detach().to(torch.float32).contiguous()
     common = dict(BLOCK_D=block_d, D=dim, SKIP=skip, UPCAST=_INTERPRET, PRECISION=_DOT_PRECISION[query.dtype])
-    delta_m, delta_n, delta_warps, delta_stages = _config("delta", block_d)
-    dq_m, dq_n, dq_warps, dq_stages = _config("dq", block_d)
-    kv_m, kv_n, kv_warps, kv_stages = _config("dkdv", block_d)
+    family = _gpu_family(query.device)
+    delta_m, delta_n, delta_warps, delta_stages = _config("delta", block_d, family)
+    dq_m, dq_n, dq_warps, dq_stages = _config("dq", block_d, family)
+    kv_m, kv_n, kv_warps, kv_stages = _config("dkdv", block_d, family)
     delta = torch.empty(bsz, num_heads, q_len, dtype=torch.float32, device=query.device)
     dtau_part = torch.empty(bsz, num_heads, triton.cdiv(q_len, delta_m), dtype=torch.float32, device=query.device)
     k_tiles = triton.cdiv(k_len, kv_n)
