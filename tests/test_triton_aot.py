@@ -1,0 +1,53 @@
+"""Every Triton kernel compiles ahead of time for sm_80 and sm_90 at its shipped blocks, without spills.
+
+No GPU is needed: the triton wheel ships ptxas and cuobjdump (RESOURCES.md). The default run compiles the
+bfloat16 builds (7 kernels x head dims 64/128 x 2 GPU families = 28 compiles, ~3-4 min on 2 cores);
+float16 and float32 compile the same kernels with other operand types and run with LAZY_AOT_ALL_DTYPES=1
+(another ~7 min). `python benchmarks/aot_compile_table.py` prints the same facts as a table.
+"""
+
+import os
+import shutil
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from benchmarks.aot_compile_table import ARCHS, HEAD_DIMS, compile_all, shipped_builds  # noqa: E402
+
+DECODE_KERNELS = ("decode",)  # 16-row tiles: below wgmma's 64-row minimum, and bandwidth-bound anyway
+
+
+def _check(rows):
+    assert rows, "no builds"
+    problems = []
+    for build, usage, _ in rows:
+        name = f"{build.kernel} ({build.kind}, {build.dtype}, D={build.head_dim}, sm_{build.arch})"
+        if usage["spill"]:
+            problems.append(f"{name}: {usage['spill']} bytes of local/stack memory (register spills)")
+        if usage["registers"] > 255:
+            problems.append(f"{name}: {usage['registers']} registers")
+        needs_wgmma = build.arch >= 90 and build.dtype != torch.float32 and build.kind not in DECODE_KERNELS
+        if needs_wgmma and not usage["wgmma"]:
+            problems.append(f"{name}: sm_90 build does not use wgmma.mma_async")
+    assert not problems, "\n".join(problems)
+
+
+def test_every_kernel_compiles_for_sm80_and_sm90_without_spills():
+    rows = compile_all(shipped_builds((torch.bfloat16,)), workers=min(4, os.cpu_count() or 1))
+    kernels = {build.kernel for build, _, _ in rows}
+    assert len(kernels) == 7 and {b.arch for b, _, _ in rows} == set(ARCHS)
+    assert {b.head_dim for b, _, _ in rows} == set(HEAD_DIMS)
+    _check(rows)
+
+
+@pytest.mark.skipif(os.environ.get("LAZY_AOT_ALL_DTYPES") != "1", reason="set LAZY_AOT_ALL_DTYPES=1 (~7 min)")
+def test_float16_and_float32_builds_compile_without_spills():
+    _check(compile_all(shipped_builds((torch.float16, torch.float32)), workers=min(4, os.cpu_count() or 1)))
+
+
+def test_cuobjdump_is_shipped_with_triton():
+    from benchmarks.aot_compile_table import _cuobjdump
+
+    assert shutil.which(_cuobjdump()) or os.path.exists(_cuobjdump())
