@@ -1,6 +1,7 @@
 """Compile every Lazy Attention Triton kernel ahead of time for sm_80 and sm_90 (no GPU needed).
 
-    python benchmarks/aot_compile_table.py            # markdown table: registers, shared, local (spill), wgmma
+    python benchmarks/aot_compile_table.py                # bf16 builds: registers, shared, spill bytes, wgmma
+    python benchmarks/aot_compile_table.py --all-dtypes   # also fp16 and fp32
 
 Each row is one kernel at one shipped block configuration (see the constants at the top of
 modeling_lazy/lazy_attention_triton.py). `cuobjdump --dump-resource-usage` (shipped in the triton wheel)
@@ -167,11 +168,13 @@ def markdown_table(rows) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workers", type=int, default=None)
+    parser.add_argument("--all-dtypes", action="store_true", help="also float16 and float32 (3x the builds)")
     args = parser.parse_args()
     import triton
 
     start = time.perf_counter()
-    rows = compile_all(workers=args.workers)
+    dtypes = (torch.bfloat16, torch.float16, torch.float32) if args.all_dtypes else (torch.bfloat16,)
+    rows = compile_all(shipped_builds(dtypes), workers=args.workers)
     print(f"triton {triton.__version__}, torch {torch.__version__}, {len(rows)} builds in "
           f"{time.perf_counter() - start:.0f} s on {os.cpu_count()} CPU cores\n")
     print(markdown_table(rows))

@@ -173,10 +173,10 @@ def _fa2_callable(q, k, v, backward, grad):
     return run
 
 
-def prefill_table(device, lengths, dims, tokens, with_flex) -> None:
+def prefill_table(device, lengths, dims, tokens, with_flex, width=2048) -> None:
     rows = []
     for dim in dims:
-        heads = 2048 // dim
+        heads = width // dim
         window = 1024
         for length in lengths:
             bsz = max(1, tokens // length)
@@ -242,12 +242,12 @@ def prefill_table(device, lengths, dims, tokens, with_flex) -> None:
 # ---------------------------------------------------------------------------------------------------
 
 
-def density_table(device, length, dim) -> None:
+def density_table(device, length, dim, width=2048) -> None:
     print("\n| inputs | L | D | visited tiles | visible tiles | tile density d |")
     print("|---|---|---|---|---|---|")
     for label, tau, local in (("random, tau=0", 0.0, False), ("random, tau=-1", -1.0, False),
                               ("local bias, tau=-1", -1.0, True)):
-        leaves, meta = make_inputs(1, 2048 // dim, 2048 // dim, length, length, dim, tau, 1024, device,
+        leaves, meta = make_inputs(1, width // dim, width // dim, length, length, dim, tau, 1024, device,
                                    local_bias=local)
         visited, visible, density = lazy_triton.lazy_attention_tile_stats(*leaves, *meta, dim**-0.5)
         print(f"| {label} | {length} | {dim} | {visited} | {visible} | {density:.3f} |", flush=True)
@@ -302,8 +302,8 @@ def main() -> None:
         global REPEATS, WARMUP
         REPEATS, WARMUP = 2, 1
         correctness_gate(device, [(1, 2, 1, 40, 40, 64, -1.0), (1, 2, 1, 1, 50, 64, 0.0)])
-        prefill_table(device, [64], [64], 64, with_flex=False)
-        density_table(device, 128, 64)
+        prefill_table(device, [64], [64], 64, with_flex=False, width=128)
+        density_table(device, 128, 64, width=64)
         decode_table(device, [128], [1], heads=4, kv_heads=2, dim=64)
         return
     torch.backends.cuda.matmul.allow_tf32 = True

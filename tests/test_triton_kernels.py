@@ -147,6 +147,17 @@ def reference_case(name):
     return run
 
 
+def ampere_blocks(kernels):
+    """The sm80 block table (smaller tiles) on two reference cases: D 64 and D 128, GQA, padding, offsets."""
+    family = kernels._gpu_family
+    kernels._gpu_family = lambda device: "sm80"
+    try:
+        return {name: reference_case(name)(kernels)
+                for name in ("chunked-prefill-gqa3-bf16", "decode-cache-gqa3-d128-fp32", "gqa3-d128-window-long-fp32")}
+    finally:
+        kernels._gpu_family = family
+
+
 def split_k_decode_and_skip_off_match(kernels):
     """The split-K decode kernels and the no-skipping variants compute the same as the default path."""
     query, key, value, tau, bias, grad = make_inputs(2, 4, 2, 1, 300, 64, 64, torch.float32, [-1.0, 0.3, -3.0, 0])
@@ -229,6 +240,7 @@ def model_greedy_generation_matches_eager(kernels):
 
 CASES = {
     **{f"reference-{name}": reference_case(name) for name in REFERENCE_CASES},
+    "sm80-block-table": ampere_blocks,
     "split-k-decode-and-skip-off": split_k_decode_and_skip_off_match,
     "tile-density-counts": tile_density_counts,
     "refuses-what-it-cannot-run": refuses_what_it_cannot_run,
