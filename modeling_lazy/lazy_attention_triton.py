@@ -24,8 +24,9 @@ Then the launchers, the `autograd.Function`, and the public `lazy_attention_trit
 
 Block skipping: a key tile with no visible entry for the query tile (other document, padding, beyond the
 causal limit) is skipped in every pass; a key tile whose weights a_ij are all zero after pass 1 is skipped
-in the `a @ V` product, and in backward its dP = dO V^T and dv products are skipped (dS = -p * Delta there,
-so dq and dk stay dense: the softmax normaliser couples them).
+in the `a @ V` product (its V tile is never read; deciding needs the tile's scores, so pass 2 still
+computes q k^T), and in backward its dP = dO V^T and dv products are skipped (dS = -p * Delta there, so
+dq and dk stay dense: the softmax normaliser couples them).
 
 Under TRITON_INTERPRET=1 (set before import) the same kernels run on CPU tensors; 16-bit operands are
 upcast to float32 before `tl.dot` on that path only (the interpreter's bf16 dot is wrong).
