@@ -1,0 +1,186 @@
+"""Compile every Lazy Attention Triton kernel ahead of time for sm_80 and sm_90 (no GPU needed).
+
+    python benchmarks/aot_compile_table.py                # bf16 builds: registers, shared, spill bytes, wgmma
+    python benchmarks/aot_compile_table.py --all-dtypes   # also fp16 and fp32
+
+Each row is one kernel at one shipped block configuration (see the constants at the top of
+modeling_lazy/lazy_attention_triton.py). `cuobjdump --dump-resource-usage` (shipped in the triton wheel)
+gives registers and LOCAL bytes (spills); the PTX of the sm_90 build shows whether `wgmma.mma_async`
+(Hopper tensor cores) is used. tests/test_triton_aot.py asserts the same facts.
+"""
+
+import argparse
+import concurrent.futures
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+KERNEL_FILE = ROOT / "modeling_lazy" / "lazy_attention_triton.py"
+ARCHS = (80, 90)
+HEAD_DIMS = (64, 128)
+_DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+_INPUT_POINTERS = {"Q", "K", "V", "OUT", "DO", "DQ", "DK", "DV"}
+_FLOAT32_POINTERS = {"TAU", "BIAS", "LSE", "M_PART", "L_PART", "O_PART", "DELTA", "DTAU_PART", "DBIAS_PART"}
+_INT32_POINTERS = {"QPOS", "KPOS", "QSEG", "KSEG", "STATS"}
+
+
+def load_kernels():
+    """A fresh, compiled-mode copy of the kernel module (works even if TRITON_INTERPRET=1 is set)."""
+    saved = os.environ.pop("TRITON_INTERPRET", None)
+    try:
+        spec = importlib.util.spec_from_file_location("_lazy_attention_triton_aot", KERNEL_FILE)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module
+        spec.loader.exec_module(module)
+    finally:
+        if saved is not None:
+            os.environ["TRITON_INTERPRET"] = saved
+    return module
+
+
+@dataclass(frozen=True)
+class Build:
+    kernel: str  # kernel function name in the module
+    kind: str  # fwd | decode | dq | dkdv (selects blocks and warps like the launchers do)
+    dtype: torch.dtype
+    head_dim: int
+    arch: int
+    matmul: bool = True  # uses tl.dot (so sm_90 with 16-bit inputs must use wgmma)
+
+
+def shipped_builds(dtypes=(torch.bfloat16, torch.float16, torch.float32)) -> list[Build]:
+    builds = []
+    for arch in ARCHS:
+        for dtype in dtypes:
+            for dim in HEAD_DIMS:
+                builds += [Build("_lazy_fwd_kernel", "fwd", dtype, dim, arch),
+                           Build("_lazy_fwd_kernel", "decode", dtype, dim, arch),
+                           Build("_lazy_fwd_split_lse_kernel", "decode", dtype, dim, arch),
+                           Build("_lazy_fwd_split_out_kernel", "decode", dtype, dim, arch),
+                           Build("_lazy_bwd_delta_kernel", "delta", dtype, dim, arch),
+                           Build("_lazy_bwd_dq_kernel", "dq", dtype, dim, arch),
+                           Build("_lazy_bwd_dkdv_kernel", "dkdv", dtype, dim, arch)]
+    return builds
+
+
+def _family(build: Build) -> str:
+    return "sm90" if build.arch >= 90 else "sm80"
+
+
+def _constexprs(module, build: Build) -> dict:
+    block_m, block_n, _, _ = module._config(build.kind, max(16, build.head_dim), _family(build))
+    return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=max(16, build.head_dim), D=build.head_dim,
+                SKIP=True, WITH_STATS=False, UPCAST=False, PRECISION=module._DOT_PRECISION[build.dtype])
+
+
+def compile_build(module, build: Build):
+    """`triton.compile` one build; returns the compiled kernel (with .asm['ptx'], .asm['cubin'], .metadata)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    fn = getattr(module, build.kernel)
+    constexprs = {k: v for k, v in _constexprs(module, build).items() if k in fn.arg_names}
+    signature, attrs = {}, {}
+    for index, name in enumerate(fn.arg_names):
+        if name in constexprs:
+            signature[name] = "constexpr"
+            continue
+        if name in _INPUT_POINTERS:
+            signature[name] = "*" + _DTYPE_NAMES[build.dtype]
+        elif name in _FLOAT32_POINTERS:
+            signature[name] = "*fp32"
+        elif name in _INT32_POINTERS:
+            signature[name] = "*i32"
+        elif name == "scaling":
+            signature[name] = "fp32"
+        else:
+            signature[name] = "i32"
+        if signature[name].startswith("*") or name.startswith("stride"):
+            attrs[(index,)] = [["tt.divisibility", 16]]  # what the JIT sees for aligned tensors / D-multiple strides
+    _, _, num_warps, num_stages = module._config(build.kind, constexprs["BLOCK_D"], _family(build))
+    options = {"num_warps": num_warps, "num_stages": num_stages}
+    source = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
+    return triton.compile(source, target=GPUTarget("cuda", build.arch, 32), options=options)
+
+
+def _cuobjdump() -> str:
+    import triton
+
+    return str(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump")
+
+
+def resource_usage(compiled) -> dict:
+    """Registers, LOCAL (spill) bytes and static shared bytes from cuobjdump; dynamic shared from Triton."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "kernel.cubin"
+        path.write_bytes(compiled.asm["cubin"])
+        text = subprocess.run([_cuobjdump(), "--dump-resource-usage", str(path)], check=True,
+                              capture_output=True, text=True).stdout
+    fields = dict(re.findall(r"(REG|STACK|SHARED|LOCAL):(\d+)", text))
+    if "REG" not in fields:
+        raise RuntimeError(f"cannot parse cuobjdump output:\n{text}")
+    # Spilled registers show up as a stack frame (STACK) and/or LOCAL bytes; both must be zero.
+    return {"registers": int(fields["REG"]), "spill": int(fields["LOCAL"]) + int(fields.get("STACK", 0)),
+            "shared": int(fields.get("SHARED", 0)) + int(compiled.metadata.shared),
+            "wgmma": "wgmma.mma_async" in compiled.asm["ptx"]}
+
+
+def _compile_row(build: Build) -> tuple[Build, dict, float]:
+    module = load_kernels()
+    start = time.perf_counter()
+    usage = resource_usage(compile_build(module, build))
+    return build, usage, time.perf_counter() - start
+
+
+def compile_all(builds=None, workers: int | None = None) -> list[tuple[Build, dict, float]]:
+    """Compile builds in worker processes (compilation is single-threaded per kernel)."""
+    builds = shipped_builds() if builds is None else builds
+    workers = workers or max(1, min(len(builds), os.cpu_count() or 1))
+    if workers == 1:
+        return [_compile_row(b) for b in builds]
+    with concurrent.futures.ProcessPoolExecutor(workers) as pool:
+        return list(pool.map(_compile_row, builds))
+
+
+def markdown_table(rows) -> str:
+    module = load_kernels()
+    lines = ["| kernel | blocks (M x N) | warps | dtype | D | arch | registers | shared (B) | local+stack (spill, B) | wgmma |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for build, usage, _ in rows:
+        c = _constexprs(module, build)
+        warps = module._config(build.kind, c["BLOCK_D"], _family(build))[2]
+        wgmma = ("yes" if usage["wgmma"] else "no") if build.arch >= 90 else "n/a"
+        lines.append(f"| {build.kernel} ({build.kind}) | {c['BLOCK_M']} x {c['BLOCK_N']} | {warps} | "
+                     f"{_DTYPE_NAMES[build.dtype]} | {build.head_dim} | sm_{build.arch} | {usage['registers']} | "
+                     f"{usage['shared']} | {usage['spill']} | {wgmma} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workers", type=int, default=None)
+    parser.add_argument("--all-dtypes", action="store_true", help="also float16 and float32 (3x the builds)")
+    args = parser.parse_args()
+    import triton
+
+    start = time.perf_counter()
+    dtypes = (torch.bfloat16, torch.float16, torch.float32) if args.all_dtypes else (torch.bfloat16,)
+    rows = compile_all(shipped_builds(dtypes), workers=args.workers)
+    print(f"triton {triton.__version__}, torch {torch.__version__}, {len(rows)} builds in "
+          f"{time.perf_counter() - start:.0f} s on {os.cpu_count()} CPU cores\n")
+    print(markdown_table(rows))
+    spills = [r for r in rows if r[1]["spill"]]
+    print(f"\nbuilds with spills: {len(spills)}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

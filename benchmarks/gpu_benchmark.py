@@ -1,0 +1,325 @@
+"""One-shot GPU benchmark of the Lazy Attention Triton kernels (PERFORMANCE.md protocol), a few minutes.
+
+    python benchmarks/gpu_benchmark.py                 # full run on a CUDA GPU, prints markdown tables
+    python benchmarks/gpu_benchmark.py --quick         # fewer lengths, no FlexAttention compile
+    TRITON_INTERPRET=1 python benchmarks/gpu_benchmark.py --smoke   # tiny CPU run of every code path (no figures)
+
+1. Correctness gate: output and the five gradients (q, k, v, distance_bias, tau) of the kernels against the
+   float32 reference (`lazy_attention_reference`) for bf16 prefill (GQA, odd length, D 64/128, tau 0 and -1)
+   and decode with a cache; any failure stops the run before a single time is printed.
+2. Prefill, bf16, causal, H*D = 2048, B*L = 16k, L in {1k .. 16k}: Lazy forward (tau 0 / -1, block skipping
+   on / off) and forward+backward against SDPA (flash backend), FlexAttention with a distance-bias
+   `score_mod` (+ causal block mask), and FlashAttention-2 when installed. Interleaved A B A B timing with CUDA
+   events after warm-up, median of 20. FA-equivalent TFLOP/s = FlashAttention FLOPs / time (causal forward
+   2*B*H*L^2*D, forward+backward 3.5x that); true TFLOP/s counts what the Lazy kernels do (forward 3 causal
+   L x L x D products, FA 2; backward 9 more: Delta 2, dq 3, dk/dv 4).
+3. Tile density d (key tiles that pass 2 multiplied by V / visible tiles) for random inputs at tau = -1 and
+   for inputs with a strong local distance bias.
+4. Decode: query length 1 against a KV cache (GQA 32/8 heads, D 128) of 1k-64k keys, B in {1, 8, 32}:
+   latency against SDPA and effective bandwidth (K and V bytes read / time).
+
+Quote ratios from one run; absolute times only count on the GPU they were measured on.
+"""
+
+import argparse
+import contextlib
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import modeling_lazy.lazy_attention_triton as lazy_triton  # noqa: E402
+from modeling_lazy.lazy_attention_torch import lazy_attention_reference  # noqa: E402
+
+REPEATS = 20
+WARMUP = 3
+
+
+# ---------------------------------------------------------------------------------------------------
+# Inputs and timing
+# ---------------------------------------------------------------------------------------------------
+
+
+def make_inputs(bsz, heads, kv_heads, q_len, k_len, dim, tau, window, device, dtype=torch.bfloat16, grad=False,
+                local_bias=False, seed=0):
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen).to(device=device, dtype=dtype).requires_grad_(grad)
+
+    q, k, v = randn(bsz, heads, q_len, dim), randn(bsz, kv_heads, k_len, dim), randn(bsz, kv_heads, k_len, dim)
+    tau_t = torch.full((heads,), float(tau), device=device).requires_grad_(grad)
+    if local_bias:  # what a trained local head looks like: the nearest keys win, the rest drop below 1/n
+        bias = torch.full((heads, window), -8.0)
+        bias[:, :16] = 4.0
+    else:
+        bias = 1e-3 * torch.randn(heads, window, generator=gen)
+    bias = bias.to(device).requires_grad_(grad)
+    q_pos = torch.arange(k_len - q_len, k_len, device=device).expand(bsz, q_len).contiguous()
+    k_pos = torch.arange(k_len, device=device).expand(bsz, k_len).contiguous()
+    q_seg = torch.zeros(bsz, q_len, dtype=torch.int32, device=device)
+    k_seg = torch.zeros(bsz, k_len, dtype=torch.int32, device=device)
+    return (q, k, v, tau_t, bias), (q_pos, k_pos, q_seg, k_seg)
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def time_interleaved(functions: dict, device, repeats=REPEATS, warmup=WARMUP) -> dict:
+    """Median milliseconds of each callable, measured A B A B ... after warm-up."""
+    for fn in functions.values():
+        for _ in range(warmup):
+            fn()
+    _sync(device)
+    samples = {name: [] for name in functions}
+    for _ in range(repeats):
+        for name, fn in functions.items():
+            if device.type == "cuda":
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                fn()
+                end.record()
+                end.synchronize()
+                samples[name].append(start.elapsed_time(end))
+            else:
+                begin = time.perf_counter()
+                fn()
+                samples[name].append(1e3 * (time.perf_counter() - begin))
+    return {name: statistics.median(values) for name, values in samples.items()}
+
+
+# ---------------------------------------------------------------------------------------------------
+# 1. Correctness gate
+# ---------------------------------------------------------------------------------------------------
+
+
+def _relative(a, b):
+    return ((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-12)).item()
+
+
+def correctness_gate(device, shapes) -> list[str]:
+    lines, failures = [], 0
+    for bsz, heads, kv_heads, q_len, k_len, dim, tau in shapes:
+        leaves, meta = make_inputs(bsz, heads, kv_heads, q_len, k_len, dim, tau, 256, device, grad=True, seed=1)
+        ref_leaves = [x.detach().float().requires_grad_() for x in leaves]
+        scaling = dim**-0.5
+        out = lazy_triton.lazy_attention_triton(*leaves, *meta, scaling)
+        ref, _ = lazy_attention_reference(*ref_leaves, *meta, scaling)
+        grad = torch.randn_like(ref)
+        out.backward(grad.to(out.dtype))
+        ref.backward(grad)
+        errors = [_relative(out.detach(), ref.detach())]
+        errors += [_relative(x.grad, r.grad) for x, r in zip(leaves, ref_leaves)]
+        ok = max(errors) < 4e-2  # bf16 bound of tests/test_triton_kernels.py
+        failures += not ok
+        lines.append(f"| {bsz}x{heads}/{kv_heads}x{q_len}->{k_len}x{dim} | {tau} | "
+                     + " | ".join(f"{e:.1e}" for e in errors) + f" | {'ok' if ok else 'FAIL'} |")
+    header = ["| B x Hq/Hkv x Tq->Tk x D | tau | out | dq | dk | dv | dtau | dbias | gate |",
+              "|---|---|---|---|---|---|---|---|---|"]
+    print("\n".join(header + lines), flush=True)
+    if failures:
+        raise SystemExit(f"correctness gate failed for {failures} configuration(s): no timings reported")
+    return lines
+
+
+# ---------------------------------------------------------------------------------------------------
+# 2. Prefill timings
+# ---------------------------------------------------------------------------------------------------
+
+
+def _flex_callable(q, k, v, bias, window, backward, grad):
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    length = q.shape[2]
+    block_mask = create_block_mask(lambda b, h, qi, ki: qi >= ki, None, None, length, length, device=q.device)
+
+    def score_mod(score, b, h, qi, ki):
+        d = qi - ki
+        return score + torch.where((d >= 0) & (d < window), bias[h, d.clamp(0, window - 1)], 0.0)
+
+    flex = torch.compile(flex_attention, dynamic=False)
+
+    def run():
+        out = flex(q, k, v, score_mod=score_mod, block_mask=block_mask)
+        if backward:
+            torch.autograd.backward(out, grad)
+        return out
+    return run
+
+
+def _fa2_callable(q, k, v, backward, grad):
+    try:
+        from flash_attn import flash_attn_func
+    except ImportError:
+        return None
+    qt, kt, vt = (x.detach().transpose(1, 2).contiguous().requires_grad_(backward) for x in (q, k, v))
+    gt = grad.transpose(1, 2).contiguous() if grad is not None else None
+
+    def run():
+        out = flash_attn_func(qt, kt, vt, causal=True)
+        if backward:
+            torch.autograd.backward(out, gt)
+        return out
+    return run
+
+
+def prefill_table(device, lengths, dims, tokens, with_flex, width=2048) -> None:
+    rows = []
+    for dim in dims:
+        heads = width // dim
+        window = 1024
+        for length in lengths:
+            bsz = max(1, tokens // length)
+            fa_fwd_flops = 2 * bsz * heads * length * length * dim
+            for backward in (False, True):
+                leaves, meta = make_inputs(bsz, heads, heads, length, length, dim, 0.0, window, device, grad=backward)
+                q, k, v, tau0, bias = leaves
+                tau1 = torch.full_like(tau0.detach(), -1.0).requires_grad_(backward)
+                grad = torch.randn(bsz, length, heads, dim, device=device, dtype=q.dtype) if backward else None
+                grad_sdpa = grad.transpose(1, 2) if backward else None
+                scaling = dim**-0.5
+
+                def lazy(tau, skip):
+                    def run():
+                        if backward:
+                            out = lazy_triton.lazy_attention_triton(q, k, v, tau, bias, *meta, scaling)
+                            torch.autograd.backward(out, grad)
+                        else:
+                            lazy_triton._forward(q, k, v, tau, bias, *lazy_triton._metadata(*meta), scaling,
+                                                 skip=skip)
+                    return run
+
+                def sdpa():
+                    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+                    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+                    if backward:
+                        torch.autograd.backward(out, grad_sdpa)
+
+                functions = {"sdpa-flash": sdpa, "lazy tau=0": lazy(tau0, True), "lazy tau=-1": lazy(tau1, True)}
+                if not backward:
+                    functions["lazy tau=-1 no-skip"] = lazy(tau1, False)
+                fa2 = _fa2_callable(q, k, v, backward, grad)
+                if fa2 is not None:
+                    functions["flash-attn-2"] = fa2
+                if with_flex:
+                    try:
+                        functions["flex+bias"] = _flex_callable(q, k, v, bias, window, backward, grad_sdpa)
+                        functions["flex+bias"]()
+                    except Exception as error:  # noqa: BLE001 - report and go on without it
+                        print(f"FlexAttention unavailable at L={length}, D={dim}: {type(error).__name__}: {error}")
+                        functions.pop("flex+bias", None)
+                times = time_interleaved(functions, device)
+                base = times["sdpa-flash"]
+                fa_flops = fa_fwd_flops * (3.5 if backward else 1.0)
+                lazy_flops = fa_fwd_flops * (6.0 if backward else 1.5)
+                for name, ms in times.items():
+                    true_flops = lazy_flops if name.startswith("lazy") else fa_flops
+                    rows.append(f"| {'fwd+bwd' if backward else 'fwd'} | {dim} | {length} | {bsz}x{heads} | {name} | "
+                                f"{ms:.3f} | {ms / base:.2f} | {fa_flops / ms / 1e9:.0f} | {true_flops / ms / 1e9:.0f} |")
+                print("\n".join(rows[-len(times):]), flush=True)
+                del leaves, q, k, v, grad
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+    print("\n| pass | D | L | B x H | method | ms | / SDPA | FA-equiv TFLOP/s | true TFLOP/s |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    print("\n".join(rows), flush=True)
+
+
+# ---------------------------------------------------------------------------------------------------
+# 3. Tile density, 4. decode
+# ---------------------------------------------------------------------------------------------------
+
+
+def density_table(device, length, dim, width=2048) -> None:
+    print("\n| inputs | L | D | visited tiles | visible tiles | tile density d |")
+    print("|---|---|---|---|---|---|")
+    for label, tau, local in (("random, tau=0", 0.0, False), ("random, tau=-1", -1.0, False),
+                              ("local bias, tau=-1", -1.0, True)):
+        leaves, meta = make_inputs(1, width // dim, width // dim, length, length, dim, tau, 1024, device,
+                                   local_bias=local)
+        visited, visible, density = lazy_triton.lazy_attention_tile_stats(*leaves, *meta, dim**-0.5)
+        print(f"| {label} | {length} | {dim} | {visited} | {visible} | {density:.3f} |", flush=True)
+
+
+def decode_table(device, cache_lengths, batches, heads=32, kv_heads=8, dim=128) -> None:
+    print("\n| B | cache L | method | ms | / SDPA | K+V GB/s | tile density d |")
+    print("|---|---|---|---|---|---|---|")
+    for bsz in batches:
+        for length in cache_lengths:
+            if bsz * length > 2 ** 21:  # keep K+V under ~4 GB
+                continue
+            for label, tau, local in (("tau=0", 0.0, False), ("tau=-1 local", -1.0, True)):
+                leaves, meta = make_inputs(bsz, heads, kv_heads, 1, length, dim, tau, 1024, device, local_bias=local)
+                q, k, v, tau_t, bias = leaves
+                scaling = dim**-0.5
+                meta32 = lazy_triton._metadata(*meta)
+
+                def lazy():
+                    lazy_triton._forward(q, k, v, tau_t, bias, *meta32, scaling)
+
+                def sdpa():
+                    F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+
+                times = time_interleaved({"sdpa": sdpa, f"lazy {label}": lazy}, device)
+                density = lazy_triton.lazy_attention_tile_stats(q, k, v, tau_t, bias, *meta, scaling)[2]
+                kv_bytes = 2 * k.numel() * k.element_size()
+                for name, ms in times.items():
+                    d = f"{density:.2f}" if name.startswith("lazy") else ""
+                    print(f"| {bsz} | {length} | {name} | {ms:.4f} | {ms / times['sdpa']:.2f} | "
+                          f"{kv_bytes / ms / 1e6:.0f} | {d} |", flush=True)
+
+
+# ---------------------------------------------------------------------------------------------------
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="L in {1k, 4k}, no FlexAttention")
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes; runs on CPU under TRITON_INTERPRET=1")
+    args = parser.parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type != "cuda" and not (args.smoke and os.environ.get("TRITON_INTERPRET") == "1"):
+        raise SystemExit("no CUDA GPU: run this on a GPU machine (or --smoke with TRITON_INTERPRET=1 on CPU)")
+    import triton
+
+    gpu = torch.cuda.get_device_name() if device.type == "cuda" else "CPU (interpreter smoke run)"
+    print(f"# Lazy Attention GPU benchmark\n\n{gpu}; torch {torch.__version__}, triton {triton.__version__}, "
+          f"CUDA {torch.version.cuda}, Python {platform.python_version()}\n")
+    torch.manual_seed(0)
+    if args.smoke:
+        global REPEATS, WARMUP
+        REPEATS, WARMUP = 2, 1
+        correctness_gate(device, [(1, 2, 1, 40, 40, 64, -1.0), (1, 2, 1, 1, 50, 64, 0.0)])
+        prefill_table(device, [64], [64], 64, with_flex=False, width=128)
+        density_table(device, 128, 64, width=64)
+        decode_table(device, [128], [1], heads=4, kv_heads=2, dim=64)
+        return
+    torch.backends.cuda.matmul.allow_tf32 = True
+    print("## 1. Correctness gate (bf16 vs float32 reference; max |error| / max |reference|)\n")
+    correctness_gate(device, [(2, 8, 2, 1000, 1000, 64, 0.0), (2, 8, 2, 1000, 1000, 64, -1.0),
+                              (2, 6, 2, 777, 777, 128, -1.0), (2, 8, 2, 1, 3000, 128, -1.0),
+                              (2, 8, 4, 100, 2100, 128, -0.5)])
+    lengths = [1024, 4096] if args.quick else [1024, 2048, 4096, 8192, 16384]
+    print("\n## 2. Prefill, bf16, causal, H*D = 2048, B*L = 16k\n")
+    prefill_table(device, lengths, [64, 128], 16384, with_flex=not args.quick)
+    print("\n## 3. Tile density (the forward's shipped tiles; see lazy_attention_tile_stats)")
+    density_table(device, 4096, 128)
+    print("\n## 4. Decode (q length 1, GQA 32/8, D 128, bf16)")
+    decode_table(device, [1024, 4096, 16384, 65536], [1, 8, 32])
+
+
+if __name__ == "__main__":
+    with contextlib.suppress(KeyboardInterrupt):
+        main()

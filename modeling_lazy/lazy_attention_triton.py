@@ -1,0 +1,673 @@
+"""Lazy Attention as Triton kernels: two-pass forward, split-K decode, exact backward.
+
+Math (SPEC sections 1 and 2), per query head h, query i, key j, for visible (i, j):
+
+    s_ij = scaling * <q_i, k_j> + beta_h(pos_i - pos_j)      p_ij = exp(s_ij - LSE_i)
+    a_ij = max(0, p_ij + tau_h / n_i)   (float32 test)        o_i  = sum_j a_ij v_j     (no renormalisation)
+    m_ij = 1[a_ij > 0],  dP_ij = dO_i . v_j,  Delta_i = sum_j m_ij p_ij dP_ij,  dS_ij = p_ij (m_ij dP_ij - Delta_i)
+
+Visibility comes only from the per-token metadata of `lazy_attention_torch` (no L x L mask):
+query i sees key j  <=>  q_seg[i] == k_seg[j]  and  j <= i + Tk - Tq;  n_i = q_pos[i] + 1;
+distance = q_pos[i] - k_pos[j], biased only for 0 <= distance < W.
+
+Kernels, in data-flow order:
+    _lse_pass / _out_pass      the two passes over key tiles (jit helpers shared by prefill and decode)
+    _lazy_fwd_kernel           one query tile: pass 1 (row log-sum-exp), pass 2 (ReLU(p + tau/n) @ V)
+    _lazy_fwd_split_lse_kernel / _lazy_fwd_split_out_kernel
+                               split-K decode: each program covers a slice of the keys; partial (max, sum)
+                               and partial outputs are combined with a few torch ops (no host sync)
+    _lazy_bwd_delta_kernel     backward preprocess: Delta_i = sum_j m p dP (float32) and per-tile d tau partials
+    _lazy_bwd_dq_kernel        dq, FlashAttention-2 style with the elastic-softmax dS
+    _lazy_bwd_dkdv_kernel      dk, dv (GQA: loops over the query heads of one KV head, never repeats K/V)
+                               and per-tile d distance_bias partials
+Then the launchers, the `autograd.Function`, and the public `lazy_attention_triton`.
+
+Block skipping: a key tile with no visible entry for the query tile (other document, padding, beyond the
+causal limit) is skipped in every pass; a key tile whose weights a_ij are all zero after pass 1 is skipped
+in the `a @ V` product (its V tile is never read; deciding needs the tile's scores, so pass 2 still
+computes q k^T), and in backward its dP = dO V^T and dv products are skipped (dS = -p * Delta there, so
+dq and dk stay dense: the softmax normaliser couples them).
+
+Under TRITON_INTERPRET=1 (set before import) the same kernels run on CPU tensors; 16-bit operands are
+upcast to float32 before `tl.dot` on that path only (the interpreter's bf16 dot is wrong).
+"""
+
+import os
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError as error:  # modeling_lazy catches this and serves every device with the PyTorch path
+    raise ImportError(
+        "lazy_attention_triton needs the `triton` package (pip install triton, or the project's [gpu] extra); "
+        "without it LazyLlama uses its PyTorch attention path."
+    ) from error
+
+import torch
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+# ---------------------------------------------------------------------------------------------------
+# Block configurations (the ones shipped; tests/test_triton_aot.py compiles every one for sm_80/sm_90).
+# ---------------------------------------------------------------------------------------------------
+MAX_HEAD_DIM = 256
+DECODE_MAX_QUERIES = 16  # query length <= this uses the decode blocks (tl.dot needs tiles >= 16)
+SPLIT_MIN_KEYS = 256  # a split-K slice covers at least this many keys
+
+# GPU family -> (kernel kind, padded head dim) -> (BLOCK_M, BLOCK_N, num_warps, num_stages). Padded head
+# dims up to 64 use the 64 rows, larger ones the 128 rows (256 runs but is not tuned). Chosen so that no
+# build spills registers (tests/test_triton_aot.py); Ampere's mma.sync keeps more of each tile in
+# registers than Hopper's wgmma, so its tiles are smaller. Other GPUs use the sm80 table.
+_CONFIGS = {
+    "sm90": {
+        ("fwd", 64): (128, 64, 8, 2),
+        ("fwd", 128): (128, 32, 8, 2),
+        ("decode", 64): (16, 64, 4, 2),
+        ("decode", 128): (16, 64, 4, 2),
+        ("delta", 64): (64, 64, 4, 2),
+        ("delta", 128): (64, 64, 8, 2),
+        ("dq", 64): (64, 64, 4, 2),
+        ("dq", 128): (64, 64, 8, 2),
+        ("dkdv", 64): (128, 32, 8, 2),
+        ("dkdv", 128): (128, 32, 8, 2),
+    },
+    "sm80": {
+        ("fwd", 64): (64, 64, 8, 2),
+        ("fwd", 128): (64, 32, 8, 2),
+        ("decode", 64): (16, 64, 4, 2),
+        ("decode", 128): (16, 64, 4, 2),
+        ("delta", 64): (64, 64, 4, 2),
+        ("delta", 128): (64, 64, 8, 2),
+        ("dq", 64): (64, 32, 8, 2),
+        ("dq", 128): (64, 32, 8, 2),
+        ("dkdv", 64): (64, 32, 8, 2),
+        ("dkdv", 128): (32, 64, 8, 2),
+    },
+}
+
+
+def _gpu_family(device: torch.device) -> str:
+    """`"sm90"` for Hopper and newer, `"sm80"` for older GPUs; the interpreter (CPU) runs the sm90 blocks."""
+    if device.type == "cuda" and torch.cuda.get_device_capability(device)[0] < 9:
+        return "sm80"
+    return "sm90"
+
+
+def _config(kind: str, block_d: int, family: str = "sm90") -> tuple[int, int, int, int]:
+    return _CONFIGS[family][(kind, 64 if block_d <= 64 else 128)]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Kernels
+# ---------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _dot(a, b, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    """`a @ b` with a float32 accumulator (operands upcast on the interpreter only)."""
+    if UPCAST:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32))
+    else:
+        return tl.dot(a, b, input_precision=PRECISION)
+
+
+@triton.jit
+def _visible(q_seg, q_key_idx, KSEG, keys, Tk):
+    """`[BM, BN]` bool: same segment and causal; `keys` are key indices, `q_key_idx` query rows in key coords."""
+    k_seg = tl.load(KSEG + keys, mask=keys < Tk, other=-3)
+    return (q_seg[:, None] == k_seg[None, :]) & (keys[None, :] <= q_key_idx[:, None])
+
+
+@triton.jit
+def _load_rows(ptr, stride, idx, offs_d, n, D: tl.constexpr):
+    """`[len(idx), BLOCK_D]` tile of rows `idx` (< n) of a `[n, D]` matrix with row stride `stride`; 0 padded."""
+    return tl.load(ptr + idx[:, None] * stride + offs_d[None, :], mask=(idx[:, None] < n) & (offs_d[None, :] < D),
+                   other=0.0)
+
+
+@triton.jit
+def _scores(q, k, KPOS, bias_row, q_pos, visible, keys, Tk, W, scaling,
+            UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    """`[BM, BN]` float32 scores `scaling * q k^T + beta(pos_i - pos_j)`, -inf where not visible."""
+    s = _dot(q, tl.trans(k), UPCAST, PRECISION) * scaling
+    k_pos = tl.load(KPOS + keys, mask=keys < Tk, other=0)
+    dist = q_pos[:, None] - k_pos[None, :]
+    s += tl.load(bias_row + dist, mask=visible & (dist >= 0) & (dist < W), other=0.0)
+    return tl.where(visible, s, float("-inf"))
+
+
+@triton.jit
+def _lse_pass(q, q_pos, q_seg, q_key_idx, K, stride_kt, KPOS, KSEG, bias_row, lo, hi, Tk, W, scaling,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, D: tl.constexpr,
+              UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    """Pass 1: running row max and sum of exp over the visible keys in [lo, hi)."""
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)  # finite: a fully masked tile keeps exp() at 0, never NaN
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    for start_n in range(lo, hi, BLOCK_N):
+        keys = start_n + offs_n
+        visible = _visible(q_seg, q_key_idx, KSEG, keys, Tk)
+        if tl.max(visible.to(tl.int32)) > 0:  # tile of another document / padding: skipped
+            k = _load_rows(K, stride_kt, keys, offs_d, Tk, D)
+            s = _scores(q, k, KPOS, bias_row, q_pos, visible, keys, Tk, W, scaling, UPCAST, PRECISION)
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            l_i = l_i * tl.exp(m_i - m_new) + tl.sum(tl.exp(s - m_new[:, None]), 1)
+            m_i = m_new
+    return m_i, l_i
+
+
+@triton.jit
+def _out_pass(q, q_pos, q_seg, q_key_idx, lse, threshold, K, V, stride_kt, stride_vt, KPOS, KSEG, bias_row,
+              lo, hi, Tk, W, scaling,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, D: tl.constexpr,
+              SKIP: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    """Pass 2: `sum_j ReLU(p_ij + tau/n_i) v_j` over visible keys in [lo, hi) (float32), plus tile counts."""
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    visited = tl.full([], 0, tl.int32)
+    visible_tiles = tl.full([], 0, tl.int32)
+    for start_n in range(lo, hi, BLOCK_N):
+        keys = start_n + offs_n
+        visible = _visible(q_seg, q_key_idx, KSEG, keys, Tk)
+        if tl.max(visible.to(tl.int32)) > 0:
+            visible_tiles += 1
+            k = _load_rows(K, stride_kt, keys, offs_d, Tk, D)
+            s = _scores(q, k, KPOS, bias_row, q_pos, visible, keys, Tk, W, scaling, UPCAST, PRECISION)
+            p = tl.exp(s - lse[:, None])
+            a = tl.where(visible, tl.maximum(p + threshold[:, None], 0.0), 0.0)  # float32 threshold test
+            if (tl.max(a) > 0.0) | (not SKIP):  # all-zero tile: its value block is never read
+                visited += 1
+                v = _load_rows(V, stride_vt, keys, offs_d, Tk, D)
+                acc += _dot(a.to(v.dtype), v, UPCAST, PRECISION)
+    return acc, visited, visible_tiles
+
+
+@triton.jit
+def _lazy_fwd_kernel(Q, K, V, TAU, BIAS, QPOS, KPOS, QSEG, KSEG, OUT, LSE, STATS,
+                     stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt,
+                     stride_vb, stride_vh, stride_vt, stride_ob, stride_oh, stride_ot,
+                     Hq, Tq, Tk, W, GROUPS, scaling,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, D: tl.constexpr,
+                     SKIP: tl.constexpr, WITH_STATS: tl.constexpr, UPCAST: tl.constexpr,
+                     PRECISION: tl.constexpr):
+    """One query tile of one query head: pass 1 (LSE), pass 2 (output). Grid: (cdiv(Tq, BM), B * Hq)."""
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // Hq).to(tl.int64)
+    h = pid_bh % Hq
+    hk = (h // GROUPS).to(tl.int64)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    row_mask = rows < Tq
+    q = tl.load(Q + b * stride_qb + h.to(tl.int64) * stride_qh + rows[:, None] * stride_qt + offs_d[None, :],
+                mask=row_mask[:, None] & (offs_d[None, :] < D), other=0.0)
+    q_pos = tl.load(QPOS + b * Tq + rows, mask=row_mask, other=0)
+    q_seg = tl.load(QSEG + b * Tq + rows, mask=row_mask, other=-4)
+    offset = Tk - Tq
+    q_key_idx = rows + offset
+    K_ = K + b * stride_kb + hk * stride_kh
+    V_ = V + b * stride_vb + hk * stride_vh
+    KPOS_ = KPOS + b * Tk
+    KSEG_ = KSEG + b * Tk
+    bias_row = BIAS + h * W
+    hi = tl.minimum(Tk, (pid_m + 1) * BLOCK_M + offset)  # keys past the tile's last row are never visible
+
+    m_i, l_i = _lse_pass(q, q_pos, q_seg, q_key_idx, K_, stride_kt, KPOS_, KSEG_, bias_row, 0, hi, Tk, W,
+                         scaling, BLOCK_M, BLOCK_N, BLOCK_D, D, UPCAST, PRECISION)
+    lse = tl.where(l_i > 0.0, m_i + tl.log(tl.where(l_i > 0.0, l_i, 1.0)), 0.0)  # a row that sees nothing gets p = 0 everywhere
+    threshold = tl.load(TAU + h) / (q_pos + 1).to(tl.float32)
+    acc, visited, visible_tiles = _out_pass(q, q_pos, q_seg, q_key_idx, lse, threshold, K_, V_, stride_kt,
+                                            stride_vt, KPOS_, KSEG_, bias_row, 0, hi, Tk, W, scaling,
+                                            BLOCK_M, BLOCK_N, BLOCK_D, D, SKIP, UPCAST, PRECISION)
+    out_ptrs = OUT + b * stride_ob + h.to(tl.int64) * stride_oh + rows[:, None] * stride_ot + offs_d[None, :]
+    tl.store(out_ptrs, acc.to(OUT.dtype.element_ty), mask=row_mask[:, None] & (offs_d[None, :] < D))
+    tl.store(LSE + pid_bh.to(tl.int64) * Tq + rows, lse, mask=row_mask)
+    if WITH_STATS:
+        stats = STATS + (pid_bh * tl.num_programs(0) + pid_m) * 2
+        tl.store(stats, visited)
+        tl.store(stats + 1, visible_tiles)
+
+
+@triton.jit
+def _split_setup(Q, QPOS, QSEG, stride_qb, stride_qh, stride_qt, Hq, Tq, Tk, GROUPS, KEYS_PER_SPLIT,
+                 BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, D: tl.constexpr):
+    """Shared prologue of the two split-K kernels. Grid: (cdiv(Tq, BM), B * Hq, splits)."""
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    split = tl.program_id(2)
+    b = (pid_bh // Hq).to(tl.int64)
+    h = pid_bh % Hq
+    hk = (h // GROUPS).to(tl.int64)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    row_mask = rows < Tq
+    q = tl.load(Q + b * stride_qb + h.to(tl.int64) * stride_qh + rows[:, None] * stride_qt + offs_d[None, :],
+                mask=row_mask[:, None] & (offs_d[None, :] < D), other=0.0)
+    q_pos = tl.load(QPOS + b * Tq + rows, mask=row_mask, other=0)
+    q_seg = tl.load(QSEG + b * Tq + rows, mask=row_mask, other=-4)
+    offset = Tk - Tq
+    lo = split * KEYS_PER_SPLIT
+    hi = tl.minimum(tl.minimum(Tk, (pid_m + 1) * BLOCK_M + offset), lo + KEYS_PER_SPLIT)
+    return pid_m, pid_bh, split, b, h, hk, rows, row_mask, q, q_pos, q_seg, rows + offset, lo, hi
+
+
+@triton.jit
+def _lazy_fwd_split_lse_kernel(Q, K, BIAS, QPOS, KPOS, QSEG, KSEG, M_PART, L_PART,
+                               stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt,
+                               Hq, Tq, Tk, W, GROUPS, KEYS_PER_SPLIT, scaling,
+                               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                               D: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    """Split-K pass 1: partial row max / sum of exp for one slice of keys -> M_PART, L_PART [S, B*Hq, Tq]."""
+    pid_m, pid_bh, split, b, h, hk, rows, row_mask, q, q_pos, q_seg, q_key_idx, lo, hi = _split_setup(
+        Q, QPOS, QSEG, stride_qb, stride_qh, stride_qt, Hq, Tq, Tk, GROUPS, KEYS_PER_SPLIT, BLOCK_M, BLOCK_D, D)
+    m_i, l_i = _lse_pass(q, q_pos, q_seg, q_key_idx, K + b * stride_kb + hk * stride_kh, stride_kt,
+                         KPOS + b * Tk, KSEG + b * Tk, BIAS + h * W, lo, hi, Tk, W, scaling,
+                         BLOCK_M, BLOCK_N, BLOCK_D, D, UPCAST, PRECISION)
+    part = (split * tl.num_programs(1) + pid_bh).to(tl.int64) * Tq + rows
+    tl.store(M_PART + part, m_i, mask=row_mask)
+    tl.store(L_PART + part, l_i, mask=row_mask)
+
+
+@triton.jit
+def _lazy_fwd_split_out_kernel(Q, K, V, TAU, BIAS, QPOS, KPOS, QSEG, KSEG, LSE, O_PART, STATS,
+                               stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt,
+                               stride_vb, stride_vh, stride_vt,
+                               Hq, Tq, Tk, W, GROUPS, KEYS_PER_SPLIT, scaling,
+                               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                               D: tl.constexpr, SKIP: tl.constexpr, WITH_STATS: tl.constexpr,
+                               UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    """Split-K pass 2: partial float32 output of one key slice -> O_PART [S, B, Tq, Hq, D] (summed after)."""
+    pid_m, pid_bh, split, b, h, hk, rows, row_mask, q, q_pos, q_seg, q_key_idx, lo, hi = _split_setup(
+        Q, QPOS, QSEG, stride_qb, stride_qh, stride_qt, Hq, Tq, Tk, GROUPS, KEYS_PER_SPLIT, BLOCK_M, BLOCK_D, D)
+    lse = tl.load(LSE + pid_bh.to(tl.int64) * Tq + rows, mask=row_mask, other=0.0)
+    threshold = tl.load(TAU + h) / (q_pos + 1).to(tl.float32)
+    acc, visited, visible_tiles = _out_pass(q, q_pos, q_seg, q_key_idx, lse, threshold,
+                                            K + b * stride_kb + hk * stride_kh, V + b * stride_vb + hk * stride_vh,
+                                            stride_kt, stride_vt, KPOS + b * Tk, KSEG + b * Tk, BIAS + h * W,
+                                            lo, hi, Tk, W, scaling, BLOCK_M, BLOCK_N, BLOCK_D, D, SKIP, UPCAST,
+                                            PRECISION)
+    offs_d = tl.arange(0, BLOCK_D)
+    out_ptrs = (O_PART + ((split.to(tl.int64) * (tl.num_programs(1) // Hq) + b) * Tq + rows[:, None]) * Hq * D
+                + h * D + offs_d[None, :])
+    tl.store(out_ptrs, acc, mask=row_mask[:, None] & (offs_d[None, :] < D))
+    if WITH_STATS:
+        stats = STATS + ((split * tl.num_programs(1) + pid_bh) * tl.num_programs(0) + pid_m) * 2
+        tl.store(stats, visited)
+        tl.store(stats + 1, visible_tiles)
+
+
+@triton.jit
+def _bwd_query_tile(Q, DO, TAU, QPOS, QSEG, LSE, stride_qb, stride_qh, stride_qt, stride_dob, stride_doh, stride_dot,
+                    Hq, Tq, Tk, GROUPS, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, D: tl.constexpr):
+    """Prologue shared by the Delta and dq kernels: one query tile of one query head. Grid: (cdiv(Tq, BM), B*Hq)."""
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // Hq).to(tl.int64)
+    h = (pid_bh % Hq).to(tl.int64)
+    hk = h // GROUPS
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    row_mask = rows < Tq
+    q = _load_rows(Q + b * stride_qb + h * stride_qh, stride_qt, rows, offs_d, Tq, D)
+    do = _load_rows(DO + b * stride_dob + h * stride_doh, stride_dot, rows, offs_d, Tq, D)
+    q_pos = tl.load(QPOS + b * Tq + rows, mask=row_mask, other=0)
+    q_seg = tl.load(QSEG + b * Tq + rows, mask=row_mask, other=-4)
+    lse = tl.load(LSE + pid_bh.to(tl.int64) * Tq + rows, mask=row_mask, other=0.0)
+    inv_n = 1.0 / (q_pos + 1).to(tl.float32)
+    threshold = tl.load(TAU + h) * inv_n
+    hi = tl.minimum(Tk, (pid_m + 1) * BLOCK_M + Tk - Tq)  # keys past the tile's last row are never visible
+    return pid_m, pid_bh, b, h, hk, rows, offs_d, row_mask, q, do, q_pos, q_seg, lse, inv_n, threshold, hi
+
+
+@triton.jit
+def _lazy_bwd_delta_kernel(Q, K, V, TAU, BIAS, QPOS, KPOS, QSEG, KSEG, LSE, DO, DELTA, DTAU_PART,
+                           stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt,
+                           stride_vb, stride_vh, stride_vt, stride_dob, stride_doh, stride_dot,
+                           Hq, Tq, Tk, W, GROUPS, scaling,
+                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, D: tl.constexpr,
+                           SKIP: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    """Backward preprocess: the elastic-softmax Delta_i = sum_j m_ij p_ij dP_ij (NOT rowsum(dO * O)).
+
+    Also writes this tile's d tau partial, sum_i (1/n_i) sum_j m_ij dP_ij, to DTAU_PART [B * Hq, q tiles].
+    Only row sums live across the loop, so this sweep is light; all-dead key tiles read no V.
+    """
+    pid_m, pid_bh, b, h, hk, rows, offs_d, row_mask, q, do, q_pos, q_seg, lse, inv_n, threshold, hi = \
+        _bwd_query_tile(Q, DO, TAU, QPOS, QSEG, LSE, stride_qb, stride_qh, stride_qt, stride_dob, stride_doh,
+                        stride_dot, Hq, Tq, Tk, GROUPS, BLOCK_M, BLOCK_D, D)
+    K_ = K + b * stride_kb + hk * stride_kh
+    V_ = V + b * stride_vb + hk * stride_vh
+    offs_n = tl.arange(0, BLOCK_N)
+    delta = tl.zeros([BLOCK_M], tl.float32)  # sum_j m p dP
+    m_dp_sum = tl.zeros([BLOCK_M], tl.float32)  # sum_j m dP
+    for start_n in range(0, hi, BLOCK_N):
+        keys = start_n + offs_n
+        visible = _visible(q_seg, rows + Tk - Tq, KSEG + b * Tk, keys, Tk)
+        if tl.max(visible.to(tl.int32)) > 0:
+            k = _load_rows(K_, stride_kt, keys, offs_d, Tk, D)
+            s = _scores(q, k, KPOS + b * Tk, BIAS + h * W, q_pos, visible, keys, Tk, W, scaling, UPCAST, PRECISION)
+            p = tl.exp(s - lse[:, None])
+            alive = visible & (p + threshold[:, None] > 0.0)
+            if (tl.max(alive.to(tl.int32)) > 0) | (not SKIP):  # all-dead tile: m dP = 0, no V read
+                v = _load_rows(V_, stride_vt, keys, offs_d, Tk, D)
+                dp = tl.where(alive, _dot(do, tl.trans(v), UPCAST, PRECISION), 0.0)
+                m_dp_sum += tl.sum(dp, 1)
+                delta += tl.sum(p * dp, 1)
+    tl.store(DELTA + pid_bh.to(tl.int64) * Tq + rows, delta, mask=row_mask)
+    tl.store(DTAU_PART + pid_bh.to(tl.int64) * tl.num_programs(0) + pid_m,
+             tl.sum(tl.where(row_mask, m_dp_sum * inv_n, 0.0), 0))
+
+
+@triton.jit
+def _lazy_bwd_dq_kernel(Q, K, V, TAU, BIAS, QPOS, KPOS, QSEG, KSEG, LSE, DO, DELTA, DQ,
+                        stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt,
+                        stride_vb, stride_vh, stride_vt, stride_dob, stride_doh, stride_dot,
+                        Hq, Tq, Tk, W, GROUPS, scaling,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, D: tl.constexpr,
+                        SKIP: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    """dq_i = scaling * sum_j dS_ij k_j with dS = p (m dP - Delta), as in FlashAttention-2.
+
+    dq stays dense (an all-dead tile still has dS = -p * Delta), but such a tile reads no V and skips dO V^T.
+    """
+    pid_m, pid_bh, b, h, hk, rows, offs_d, row_mask, q, do, q_pos, q_seg, lse, inv_n, threshold, hi = \
+        _bwd_query_tile(Q, DO, TAU, QPOS, QSEG, LSE, stride_qb, stride_qh, stride_qt, stride_dob, stride_doh,
+                        stride_dot, Hq, Tq, Tk, GROUPS, BLOCK_M, BLOCK_D, D)
+    delta = tl.load(DELTA + pid_bh.to(tl.int64) * Tq + rows, mask=row_mask, other=0.0)
+    K_ = K + b * stride_kb + hk * stride_kh
+    V_ = V + b * stride_vb + hk * stride_vh
+    offs_n = tl.arange(0, BLOCK_N)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for start_n in range(0, hi, BLOCK_N):
+        keys = start_n + offs_n
+        visible = _visible(q_seg, rows + Tk - Tq, KSEG + b * Tk, keys, Tk)
+        if tl.max(visible.to(tl.int32)) > 0:
+            k = _load_rows(K_, stride_kt, keys, offs_d, Tk, D)
+            s = _scores(q, k, KPOS + b * Tk, BIAS + h * W, q_pos, visible, keys, Tk, W, scaling, UPCAST, PRECISION)
+            p = tl.exp(s - lse[:, None])
+            alive = visible & (p + threshold[:, None] > 0.0)
+            if (tl.max(alive.to(tl.int32)) > 0) | (not SKIP):
+                v = _load_rows(V_, stride_vt, keys, offs_d, Tk, D)
+                dp = tl.where(alive, _dot(do, tl.trans(v), UPCAST, PRECISION), 0.0)
+                ds = p * (dp - delta[:, None])
+            else:
+                ds = -p * delta[:, None]
+            acc += _dot(ds.to(k.dtype), k, UPCAST, PRECISION)
+    tl.store(DQ + b * stride_qb + h * stride_qh + rows[:, None] * stride_qt + offs_d[None, :],
+             (acc * scaling).to(DQ.dtype.element_ty), mask=row_mask[:, None] & (offs_d[None, :] < D))
+
+
+@triton.jit
+def _lazy_bwd_dkdv_kernel(Q, K, V, TAU, BIAS, QPOS, KPOS, QSEG, KSEG, LSE, DELTA, DO, DK, DV, DBIAS_PART,
+                          stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt,
+                          stride_vb, stride_vh, stride_vt, stride_dob, stride_doh, stride_dot,
+                          Hq, Hkv, Tq, Tk, W, GROUPS, scaling,
+                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, D: tl.constexpr,
+                          SKIP: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    """dk, dv for one key tile of one KV head (sum over its GROUPS query heads); d distance_bias partials.
+
+    Grid: (cdiv(Tk, BN), B * Hkv). The bias partial of (batch, query head, key tile) is a private float32
+    row of DBIAS_PART [B * Hq * cdiv(Tk, BN), W], reduced by the launcher; several entries of one tile share
+    a distance, so the scatter into that private row uses `atomic_add` (no other program touches it).
+    """
+    pid_n = tl.program_id(0)
+    pid_bkv = tl.program_id(1)
+    b = (pid_bkv // Hkv).to(tl.int64)
+    hk = (pid_bkv % Hkv).to(tl.int64)
+    keys = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    k_mask = keys < Tk
+    kv_mask = k_mask[:, None] & (offs_d[None, :] < D)
+    k = tl.load(K + b * stride_kb + hk * stride_kh + keys[:, None] * stride_kt + offs_d[None, :], mask=kv_mask,
+                other=0.0)
+    v = tl.load(V + b * stride_vb + hk * stride_vh + keys[:, None] * stride_vt + offs_d[None, :], mask=kv_mask,
+                other=0.0)
+    k_pos = tl.load(KPOS + b * Tk + keys, mask=k_mask, other=0)
+    k_seg = tl.load(KSEG + b * Tk + keys, mask=k_mask, other=-3)
+    offset = Tk - Tq
+    first_row = tl.maximum(pid_n * BLOCK_N - offset, 0)  # rows before it cannot see this tile (causal)
+    start = (first_row // BLOCK_M) * BLOCK_M
+    dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    for g in range(0, GROUPS):
+        h = hk * GROUPS + g
+        bh = b * Hq + h
+        threshold_h = tl.load(TAU + h)
+        bias_row = BIAS + h * W
+        dbias_row = DBIAS_PART + (bh * tl.num_programs(0) + pid_n) * W
+        for start_m in range(start, Tq, BLOCK_M):
+            rows = start_m + offs_m
+            row_mask = rows < Tq
+            q_seg = tl.load(QSEG + b * Tq + rows, mask=row_mask, other=-4)
+            visible = (q_seg[:, None] == k_seg[None, :]) & (keys[None, :] <= (rows + offset)[:, None])
+            if tl.max(visible.to(tl.int32)) > 0:
+                tile_mask = row_mask[:, None] & (offs_d[None, :] < D)
+                q = tl.load(Q + b * stride_qb + h * stride_qh + rows[:, None] * stride_qt + offs_d[None, :],
+                            mask=tile_mask, other=0.0)
+                q_pos = tl.load(QPOS + b * Tq + rows, mask=row_mask, other=0)
+                lse = tl.load(LSE + bh * Tq + rows, mask=row_mask, other=0.0)
+                delta = tl.load(DELTA + bh * Tq + rows, mask=row_mask, other=0.0)
+                s = _dot(q, tl.trans(k), UPCAST, PRECISION) * scaling
+                dist = q_pos[:, None] - k_pos[None, :]
+                in_window = visible & (dist >= 0) & (dist < W)
+                s += tl.load(bias_row + dist, mask=in_window, other=0.0)
+                p = tl.where(visible, tl.exp(s - lse[:, None]), 0.0)
+                a = tl.where(visible, tl.maximum(p + threshold_h / (q_pos + 1).to(tl.float32)[:, None], 0.0),
+                             0.0)
+                do = tl.load(DO + b * stride_dob + h * stride_doh + rows[:, None] * stride_dot + offs_d[None, :],
+                             mask=tile_mask, other=0.0)
+                if (tl.max(a) > 0.0) | (not SKIP):
+                    dp = _dot(do, tl.trans(v), UPCAST, PRECISION)
+                    ds = p * (tl.where(a > 0.0, dp, 0.0) - delta[:, None])
+                    dv += _dot(tl.trans(a.to(do.dtype)), do, UPCAST, PRECISION)
+                else:  # every weight of the tile is zero: m = 0, so dS = -p * Delta and dv gets nothing
+                    ds = -p * delta[:, None]
+                dk += _dot(tl.trans(ds.to(q.dtype)), q, UPCAST, PRECISION)
+                tl.atomic_add(dbias_row + dist, ds, mask=in_window)
+    out_off = b * stride_kb + hk * stride_kh + keys[:, None] * stride_kt + offs_d[None, :]
+    tl.store(DK + out_off, (dk * scaling).to(DK.dtype.element_ty), mask=kv_mask)
+    tl.store(DV + b * stride_vb + hk * stride_vh + keys[:, None] * stride_vt + offs_d[None, :],
+             dv.to(DV.dtype.element_ty), mask=kv_mask)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Launchers
+# ---------------------------------------------------------------------------------------------------
+
+_DOT_PRECISION = {torch.float32: "ieee", torch.float16: "tf32", torch.bfloat16: "tf32"}
+
+
+def _check_inputs(query: torch.Tensor, key: torch.Tensor) -> int:
+    """The padded head dimension (power of two, >= 16); refuses what the kernels cannot run."""
+    if query.dtype not in _DOT_PRECISION or key.dtype != query.dtype:
+        raise TypeError(
+            f"lazy_attention_triton runs float16, bfloat16 and float32 (query and key alike); got "
+            f"{query.dtype} / {key.dtype}. Use LAZY_ATTENTION_BACKEND=torch for other dtypes (e.g. float64)."
+        )
+    dim = query.shape[-1]
+    if dim > MAX_HEAD_DIM:
+        raise ValueError(f"lazy_attention_triton supports head_dim <= {MAX_HEAD_DIM}, got {dim}; "
+                         "use LAZY_ATTENTION_BACKEND=torch.")
+    if query.shape[1] % key.shape[1]:
+        raise ValueError(f"query heads ({query.shape[1]}) must be a multiple of key/value heads ({key.shape[1]}).")
+    return max(16, triton.next_power_of_2(dim))
+
+
+def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def _with_gradient_buffer(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(x, empty gradient with x's strides)`; x is made contiguous when its layout cannot be mirrored."""
+    x = _last_dim_contiguous(x)
+    grad = torch.empty_like(x)
+    if grad.stride() != x.stride():  # e.g. a slice of a larger cache: kernels index both with x's strides
+        x = x.contiguous()
+        grad = torch.empty_like(x)
+    return x, grad
+
+
+def _device_splits(batch_heads: int, q_tiles: int, key_length: int, device: torch.device) -> int:
+    """Split-K factor for short queries: enough programs to fill the GPU, each over >= SPLIT_MIN_KEYS keys."""
+    if device.type != "cuda":
+        return 1
+    programs = batch_heads * q_tiles
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    if programs >= sms:
+        return 1
+    return max(1, min(triton.cdiv(2 * sms, programs), key_length // SPLIT_MIN_KEYS))
+
+
+def _forward(query, key, value, tau, distance_bias, q_pos, k_pos, q_seg, k_seg, scaling,
+             skip=True, num_splits=None, with_stats=False):
+    """Launch the forward. Returns `(out [B, Tq, Hq, D], lse [B, Hq, Tq] float32, stats int32 or None)`.
+
+    `num_splits` (None: automatic) > 1 runs the split-K kernels (only used for query length <= 16).
+    `stats` (only when `with_stats`) holds per program `(visited key tiles, visible key tiles)`.
+    """
+    block_d = _check_inputs(query, key)
+    bsz, num_heads, q_len, dim = query.shape
+    kv_heads, k_len, window = key.shape[1], key.shape[2], distance_bias.shape[-1]
+    query, key, value = (_last_dim_contiguous(x) for x in (query, key, value))
+    decode = q_len <= DECODE_MAX_QUERIES
+    block_m, block_n, num_warps, num_stages = _config("decode" if decode else "fwd", block_d,
+                                                      _gpu_family(query.device))
+    q_tiles = triton.cdiv(q_len, block_m)
+    if num_splits is None:
+        num_splits = _device_splits(bsz * num_heads, q_tiles, k_len, query.device) if decode else 1
+    out = torch.empty(bsz, q_len, num_heads, dim, dtype=query.dtype, device=query.device)
+    lse = torch.empty(bsz, num_heads, q_len, dtype=torch.float32, device=query.device)
+    meta = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, D=dim, UPCAST=_INTERPRET,
+                PRECISION=_DOT_PRECISION[query.dtype], num_warps=num_warps, num_stages=num_stages)
+    tau = tau.detach().to(torch.float32).contiguous()
+    bias = distance_bias.detach().to(torch.float32).contiguous()
+    groups = num_heads // kv_heads
+    q_strides = (query.stride(0), query.stride(1), query.stride(2))
+    k_strides = (key.stride(0), key.stride(1), key.stride(2))
+    v_strides = (value.stride(0), value.stride(1), value.stride(2))
+    if num_splits <= 1:
+        stats = torch.zeros(bsz * num_heads, q_tiles, 2, dtype=torch.int32, device=query.device) if with_stats else lse
+        _lazy_fwd_kernel[(q_tiles, bsz * num_heads)](
+            query, key, value, tau, bias, q_pos, k_pos, q_seg, k_seg, out, lse, stats,
+            *q_strides, *k_strides, *v_strides, out.stride(0), out.stride(2), out.stride(1),
+            num_heads, q_len, k_len, window, groups, scaling, SKIP=skip, WITH_STATS=with_stats, **meta)
+        return out, lse, stats if with_stats else None
+    keys_per_split = triton.cdiv(triton.cdiv(k_len, num_splits), block_n) * block_n
+    num_splits = triton.cdiv(k_len, keys_per_split)
+    grid = (q_tiles, bsz * num_heads, num_splits)
+    m_part = torch.empty(num_splits, bsz * num_heads, q_len, dtype=torch.float32, device=query.device)
+    l_part = torch.empty_like(m_part)
+    _lazy_fwd_split_lse_kernel[grid](
+        query, key, bias, q_pos, k_pos, q_seg, k_seg, m_part, l_part, *q_strides, *k_strides,
+        num_heads, q_len, k_len, window, groups, keys_per_split, scaling, **meta)
+    m_max = m_part.max(0).values
+    l_sum = (l_part * torch.exp(m_part - m_max)).sum(0)
+    lse = torch.where(l_sum > 0, m_max + torch.log(l_sum), torch.zeros_like(l_sum)).view(bsz, num_heads, q_len)
+    o_part = torch.empty(num_splits, bsz, q_len, num_heads, dim, dtype=torch.float32, device=query.device)
+    stats = (torch.zeros(num_splits, bsz * num_heads, q_tiles, 2, dtype=torch.int32, device=query.device)
+             if with_stats else lse)
+    _lazy_fwd_split_out_kernel[grid](
+        query, key, value, tau, bias, q_pos, k_pos, q_seg, k_seg, lse, o_part, stats,
+        *q_strides, *k_strides, *v_strides, num_heads, q_len, k_len, window, groups, keys_per_split, scaling,
+        SKIP=skip, WITH_STATS=with_stats, **meta)
+    out = o_part.sum(0).to(query.dtype)
+    return out, lse, stats.sum(0) if with_stats else None
+
+
+def _backward(grad_out, query, key, value, tau, distance_bias, q_pos, k_pos, q_seg, k_seg, lse, scaling,
+              skip=True):
+    """Launch Delta (with d tau partials), dq, then dk/dv (with d distance_bias partials); no atomics across programs.
+
+    Returns `(dq, dk, dv, d_tau [Hq] float32, d_bias [Hq, W] float32)`."""
+    block_d = _check_inputs(query, key)
+    bsz, num_heads, q_len, dim = query.shape
+    kv_heads, k_len, window = key.shape[1], key.shape[2], distance_bias.shape[-1]
+    (query, dq), (key, dk), (value, dv) = (_with_gradient_buffer(x) for x in (query, key, value))
+    grad_out = _last_dim_contiguous(grad_out)
+    groups = num_heads // kv_heads
+    tau32 = tau.detach().to(torch.float32).contiguous()
+    bias32 = distance_bias.detach().to(torch.float32).contiguous()
+    common = dict(BLOCK_D=block_d, D=dim, SKIP=skip, UPCAST=_INTERPRET, PRECISION=_DOT_PRECISION[query.dtype])
+    family = _gpu_family(query.device)
+    delta_m, delta_n, delta_warps, delta_stages = _config("delta", block_d, family)
+    dq_m, dq_n, dq_warps, dq_stages = _config("dq", block_d, family)
+    kv_m, kv_n, kv_warps, kv_stages = _config("dkdv", block_d, family)
+    delta = torch.empty(bsz, num_heads, q_len, dtype=torch.float32, device=query.device)
+    dtau_part = torch.empty(bsz, num_heads, triton.cdiv(q_len, delta_m), dtype=torch.float32, device=query.device)
+    k_tiles = triton.cdiv(k_len, kv_n)
+    dbias_part = torch.zeros(bsz, num_heads, k_tiles, window, dtype=torch.float32, device=query.device)
+    strides = (query.stride(0), query.stride(1), query.stride(2), key.stride(0), key.stride(1), key.stride(2),
+               value.stride(0), value.stride(1), value.stride(2), grad_out.stride(0), grad_out.stride(2),
+               grad_out.stride(1))
+    inputs = (query, key, value, tau32, bias32, q_pos, k_pos, q_seg, k_seg, lse)
+    _lazy_bwd_delta_kernel[(triton.cdiv(q_len, delta_m), bsz * num_heads)](
+        *inputs, grad_out, delta, dtau_part, *strides, num_heads, q_len, k_len, window, groups, scaling,
+        BLOCK_M=delta_m, BLOCK_N=delta_n, num_warps=delta_warps, num_stages=delta_stages, **common)
+    _lazy_bwd_dq_kernel[(triton.cdiv(q_len, dq_m), bsz * num_heads)](
+        *inputs, grad_out, delta, dq, *strides, num_heads, q_len, k_len, window, groups, scaling,
+        BLOCK_M=dq_m, BLOCK_N=dq_n, num_warps=dq_warps, num_stages=dq_stages, **common)
+    _lazy_bwd_dkdv_kernel[(k_tiles, bsz * kv_heads)](
+        *inputs, delta, grad_out, dk, dv, dbias_part, *strides, num_heads, kv_heads, q_len, k_len, window, groups,
+        scaling, BLOCK_M=kv_m, BLOCK_N=kv_n, num_warps=kv_warps, num_stages=kv_stages, **common)
+    return dq, dk, dv, dtau_part.sum(dim=(0, 2)), dbias_part.sum(dim=(0, 2))
+
+
+def _metadata(q_pos, k_pos, q_seg, k_seg):
+    """int32 contiguous copies of the per-token metadata (what the kernels read)."""
+    return tuple(x.to(torch.int32).contiguous() for x in (q_pos, k_pos, q_seg, k_seg))
+
+
+# ---------------------------------------------------------------------------------------------------
+# autograd.Function and the public function
+# ---------------------------------------------------------------------------------------------------
+
+
+class LazyAttentionTritonFunction(torch.autograd.Function):
+    """Fused Lazy Attention; saves q, k, v, the metadata and the row log-sum-exp (float32) for backward."""
+
+    @staticmethod
+    def forward(ctx, query, key, value, tau, distance_bias, q_pos, k_pos, q_seg, k_seg, scaling):
+        metadata = _metadata(q_pos, k_pos, q_seg, k_seg)
+        out, lse, _ = _forward(query, key, value, tau, distance_bias, *metadata, scaling)
+        ctx.save_for_backward(query, key, value, tau, distance_bias, *metadata, lse)
+        ctx.scaling = scaling
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        query, key, value, tau, distance_bias, q_pos, k_pos, q_seg, k_seg, lse = ctx.saved_tensors
+        dq, dk, dv, d_tau, d_bias = _backward(grad_out, query, key, value, tau, distance_bias, q_pos, k_pos,
+                                              q_seg, k_seg, lse, ctx.scaling)
+        return dq, dk, dv, d_tau.to(tau.dtype), d_bias.to(distance_bias.dtype), None, None, None, None, None
+
+
+def lazy_attention_triton(query, key, value, tau, distance_bias, q_pos, k_pos, q_seg, k_seg, scaling):
+    """Lazy Attention with the Triton kernels (CUDA tensors, or CPU tensors under TRITON_INTERPRET=1).
+
+    Args:
+        query: `[B, Hq, Tq, D]`; key, value: `[B, Hkv, Tk, D]` (float16, bfloat16 or float32; views allowed).
+        tau: `[Hq]` float32; distance_bias: `[Hq, W]` float32.
+        q_pos `[B, Tq]`, k_pos `[B, Tk]` int64; q_seg `[B, Tq]`, k_seg `[B, Tk]` int32 (see lazy_attention_torch).
+        scaling: score scale (head_dim ** -0.5).
+    Returns:
+        `out [B, Tq, Hq, D]` in the query dtype; differentiable in query, key, value, tau, distance_bias.
+    """
+    return LazyAttentionTritonFunction.apply(query, key, value, tau, distance_bias, q_pos, k_pos, q_seg, k_seg,
+                                             float(scaling))
+
+
+def lazy_attention_tile_stats(query, key, value, tau, distance_bias, q_pos, k_pos, q_seg, k_seg, scaling,
+                              num_splits=None):
+    """Forward once with counters (benchmarks only; synchronises): key tiles pass 2 visited vs visible.
+
+    Returns `(visited, visible, density)`: the number of (query tile, key tile) pairs whose `a @ V` product
+    pass 2 computed, the number with any visible (causal, same-document, non-padding) entry, and their ratio.
+    """
+    _, _, stats = _forward(query, key, value, tau, distance_bias, *_metadata(q_pos, k_pos, q_seg, k_seg), scaling,
+                           num_splits=num_splits, with_stats=True)
+    visited, visible = (int(x) for x in stats.view(-1, 2).sum(0).tolist())
+    return visited, visible, visited / max(1, visible)
+
+
+__all__ = ["LazyAttentionTritonFunction", "lazy_attention_triton", "lazy_attention_tile_stats"]

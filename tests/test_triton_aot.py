@@ -1,0 +1,65 @@
+"""Every Triton kernel compiles ahead of time for sm_80 and sm_90 at its shipped blocks, without spills.
+
+No GPU is needed: the triton wheel ships ptxas and cuobjdump (RESOURCES.md). The default run compiles the
+bfloat16 builds (6 kernels, 7 block kinds x head dims 64/128 x 2 GPU families = 28 compiles, ~3-4 min on 2 cores).
+With LAZY_AOT_ALL_DTYPES=1 the float16 builds (same lowering, also spill-free) and the float32 builds
+(IEEE float32 dots: the exact path for checks, not tuned, so they spill; only compilation is asserted) run
+too (~7 min more). `python benchmarks/aot_compile_table.py` prints the same facts as a table.
+"""
+
+import os
+import shutil
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from benchmarks.aot_compile_table import ARCHS, HEAD_DIMS, compile_all, shipped_builds  # noqa: E402
+
+DECODE_KERNELS = ("decode",)  # 16-row tiles: below wgmma's 64-row minimum, and bandwidth-bound anyway
+
+
+def _check(rows):
+    assert rows, "no builds"
+    problems = []
+    for build, usage, _ in rows:
+        name = f"{build.kernel} ({build.kind}, {build.dtype}, D={build.head_dim}, sm_{build.arch})"
+        if usage["spill"]:
+            problems.append(f"{name}: {usage['spill']} bytes of local/stack memory (register spills)")
+        if usage["registers"] > 255:
+            problems.append(f"{name}: {usage['registers']} registers")
+        needs_wgmma = build.arch >= 90 and build.dtype != torch.float32 and build.kind not in DECODE_KERNELS
+        if needs_wgmma and not usage["wgmma"]:
+            problems.append(f"{name}: sm_90 build does not use wgmma.mma_async")
+    assert not problems, "\n".join(problems)
+
+
+def test_every_kernel_compiles_for_sm80_and_sm90_without_spills():
+    rows = compile_all(shipped_builds((torch.bfloat16,)), workers=min(4, os.cpu_count() or 1))
+    assert len({b.kernel for b, _, _ in rows}) == 6  # the forward kernel ships prefill and decode blocks
+    assert len({(b.kernel, b.kind) for b, _, _ in rows}) == 7 and {b.arch for b, _, _ in rows} == set(ARCHS)
+    assert {b.head_dim for b, _, _ in rows} == set(HEAD_DIMS)
+    _check(rows)
+
+
+ALL_DTYPES = pytest.mark.skipif(os.environ.get("LAZY_AOT_ALL_DTYPES") != "1",
+                                reason="set LAZY_AOT_ALL_DTYPES=1 for the float16/float32 builds (~7 min)")
+
+
+@ALL_DTYPES
+def test_float16_builds_compile_without_spills():
+    _check(compile_all(shipped_builds((torch.float16,)), workers=min(4, os.cpu_count() or 1)))
+
+
+@ALL_DTYPES
+def test_float32_builds_compile():
+    """float32 is the exact path (IEEE dots, for checks); it compiles everywhere but is not tuned: it spills."""
+    rows = compile_all(shipped_builds((torch.float32,)), workers=min(4, os.cpu_count() or 1))
+    assert all(usage["registers"] <= 255 for _, usage, _ in rows)
+
+
+def test_cuobjdump_is_shipped_with_triton():
+    from benchmarks.aot_compile_table import _cuobjdump
+
+    assert shutil.which(_cuobjdump()) or os.path.exists(_cuobjdump())

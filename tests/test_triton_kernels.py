@@ -1,0 +1,297 @@
+"""The Triton kernels, run on CPU under TRITON_INTERPRET=1, against an independent float64 reference.
+
+Triton decides interpreter or compiled mode when `triton` and the `@triton.jit` functions are imported, so
+TRITON_INTERPRET=1 and LAZY_ATTENTION_BACKEND=triton must be set before *any* import of triton. Inside a
+pytest session another test module may already have imported `modeling_lazy` (and with it triton, in
+compiled mode), and setting the variables here at import time would switch every other test module to
+the interpreter. So the checks run in one child process (this file run as a script, with the variables
+set before its first import); each check is reported as its own pytest test from the child's results.
+
+Tolerances (max |kernel - reference| / max |reference|, per tensor):
+  float32  2e-4: the interpreter's dots and all accumulations are float32 (relative error ~1e-6 per sum
+               of a few hundred terms); the margin covers exp/log and the float32 threshold test.
+  float16  1e-2 and bfloat16 4e-2: inputs are already in that dtype (the reference gets the same rounded
+               values), but the kernels round the weights a_ij and dS_ij to the input dtype before the
+               tensor-core products (2^-11 / 2^-8 relative per term) and store outputs and q/k/v gradients in
+               it (another half ulp); over tens of terms of both signs that is a few ulps of the largest entry.
+The tau and distance_bias gradients come from float32 sums of dS and are held to the same per-dtype bound.
+"""
+
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+ENVIRONMENT = {"TRITON_INTERPRET": "1", "LAZY_ATTENTION_BACKEND": "triton"}
+CHILD_TIMEOUT_S = 1200
+TOLERANCE = {torch.float32: 2e-4, torch.float16: 1e-2, torch.bfloat16: 4e-2}
+
+
+# ---------------------------------------------------------------------------------------------------
+# Independent float64 reference (dense; written from SPEC section 1, shares no code with the project)
+# ---------------------------------------------------------------------------------------------------
+
+
+def reference(query, key, value, tau, distance_bias, q_pos, k_pos, q_seg, k_seg, scaling):
+    """float64 Lazy Attention; returns `[B, Tq, Hq, D]`. Differentiable in the five float inputs."""
+    bsz, num_heads, q_len, _ = query.shape
+    groups = num_heads // key.shape[1]
+    k_len = key.shape[2]
+    k = key.double().repeat_interleave(groups, dim=1)
+    v = value.double().repeat_interleave(groups, dim=1)
+    scores = scaling * query.double() @ k.transpose(-1, -2)  # [B, H, Tq, Tk]
+    dist = q_pos[:, :, None] - k_pos[:, None, :]  # [B, Tq, Tk]
+    window = distance_bias.shape[1]
+    in_window = (dist >= 0) & (dist < window)
+    bias = distance_bias.double()[:, dist.clamp(0, window - 1)].permute(1, 0, 2, 3)  # [B, H, Tq, Tk]
+    scores = scores + bias * in_window[:, None]
+    q_index = torch.arange(q_len)[:, None] + (k_len - q_len)
+    visible = (q_seg[:, :, None] == k_seg[:, None, :]) & (torch.arange(k_len)[None, :] <= q_index)
+    visible = visible[:, None]  # [B, 1, Tq, Tk]
+    scores = scores.masked_fill(~visible, -math.inf)
+    lse = torch.logsumexp(scores, -1, keepdim=True)
+    probs = torch.exp(scores - torch.where(torch.isinf(lse), torch.zeros_like(lse), lse))
+    n = (q_pos + 1).double()[:, None, :, None]
+    weights = torch.where(visible, torch.relu(probs + tau.double()[None, :, None, None] / n), 0.0)
+    return (weights @ v).transpose(1, 2)
+
+
+def metadata(bsz, q_len, k_len, pad=None, docs=None):
+    """Per-token metadata as the model builds it: `pad[b]` left-padding keys, `docs` document lengths (B=1)."""
+    k_pos = torch.arange(k_len).repeat(bsz, 1)
+    k_seg = torch.zeros(bsz, k_len, dtype=torch.int32)
+    if pad is not None:
+        for b, p in enumerate(pad):
+            k_pos[b] = (torch.arange(k_len) - p).clamp(min=0)
+            k_pos[b, :p] = 1
+            k_seg[b, :p] = -1
+    if docs is not None:
+        starts = torch.tensor([0] + list(docs[:-1])).cumsum(0)
+        seg = torch.repeat_interleave(torch.arange(len(docs)), torch.tensor(docs))
+        k_pos = (torch.arange(k_len) - starts[seg])[None].repeat(bsz, 1)
+        k_seg = seg.to(torch.int32)[None].repeat(bsz, 1)
+    q_pos = k_pos[:, k_len - q_len:].clone()
+    q_seg = k_seg[:, k_len - q_len:].clone()
+    q_seg[q_seg == -1] = -2
+    return q_pos, k_pos, q_seg, k_seg
+
+
+def make_inputs(bsz, heads, kv_heads, q_len, k_len, dim, window, dtype, tau, q_scale=1.0, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    query = (q_scale * torch.randn(bsz, heads, q_len, dim, generator=gen)).to(dtype)
+    key = torch.randn(bsz, kv_heads, k_len, dim, generator=gen).to(dtype)
+    value = torch.randn(bsz, kv_heads, k_len, dim, generator=gen).to(dtype)
+    tau = torch.as_tensor(tau, dtype=torch.float32).expand(heads).contiguous()
+    distance_bias = 0.5 * torch.randn(heads, window, generator=gen)
+    grad = torch.randn(bsz, q_len, heads, dim, generator=gen)
+    return query, key, value, tau, distance_bias, grad
+
+
+def relative_error(actual, expected):
+    return ((actual.double() - expected).abs().max() / expected.abs().max().clamp_min(1e-12)).item()
+
+
+def check(kernels, inputs, meta, dtype, key_view=False):
+    """Output and the five gradients of `lazy_attention_triton` against the float64 reference."""
+    query, key, value, tau, distance_bias, grad = inputs
+    scaling = query.shape[-1] ** -0.5
+    leaves = [x.clone().requires_grad_() for x in (query, key, value, tau, distance_bias)]
+    ref_leaves = [x.detach().double().requires_grad_() for x in (query, key, value, tau, distance_bias)]
+    k_in, v_in = leaves[1], leaves[2]
+    if key_view:  # non-contiguous key/value, as a cache slice would give
+        k_in = torch.cat([leaves[1], leaves[1]], dim=2)[:, :, : key.shape[2]]
+        v_in = leaves[2].transpose(1, 2).contiguous().transpose(1, 2)
+    out = kernels.lazy_attention_triton(leaves[0], k_in, v_in, *leaves[3:], *meta, scaling)
+    expected = reference(*ref_leaves, *meta, scaling)
+    assert out.dtype == dtype and out.shape == expected.shape
+    out.backward(grad.to(dtype))
+    expected.backward(grad.double())
+    tol = TOLERANCE[dtype]
+    errors = {"out": relative_error(out.detach(), expected.detach())}
+    for name, leaf, ref in zip(("dq", "dk", "dv", "dtau", "dbias"), leaves, ref_leaves):
+        assert leaf.grad.dtype == leaf.dtype
+        errors[name] = relative_error(leaf.grad, ref.grad)
+    assert all(torch.isfinite(torch.tensor(list(errors.values())))), errors
+    assert max(errors.values()) < tol, errors
+    return errors
+
+
+TAU_MIXED = [-1.0, 0.4, -0.3, -2.0, 0.0, -1.0]  # both signs; -1 with near-uniform rows is at the threshold
+
+
+REFERENCE_CASES = {  # name: (dtype, B, Hq, Hkv, Tq, Tk, D, W, tau per head, q scale, left padding, documents)
+    "gqa2-window-short-odd-fp32": (torch.float32, 2, 4, 2, 77, 77, 64, 16, TAU_MIXED[:4], 1.0, None, None),
+    "gqa3-d128-window-long-fp32": (torch.float32, 1, 3, 1, 50, 50, 128, 128, TAU_MIXED[:3], 1.0, None, None),
+    "near-threshold-fp32": (torch.float32, 1, 2, 1, 70, 70, 64, 32, [-1.0, -1.0], 0.2, None, None),
+    "left-padding-bf16": (torch.bfloat16, 2, 2, 2, 45, 45, 64, 24, TAU_MIXED[:2], 1.0, [0, 7], None),
+    "packed-docs-gqa2-d128-fp16": (torch.float16, 1, 4, 2, 90, 90, 128, 40, TAU_MIXED[:4], 1.0, None, [30, 17, 43]),
+    "chunked-prefill-gqa3-bf16": (torch.bfloat16, 2, 6, 2, 21, 70, 64, 64, TAU_MIXED, 1.0, [0, 5], None),
+    "decode-cache-gqa3-d128-fp32": (torch.float32, 2, 3, 1, 1, 83, 128, 50, TAU_MIXED[:3], 1.0, [4, 0], None),
+    "decode-cache-gqa2-bf16": (torch.bfloat16, 2, 4, 2, 1, 66, 64, 100, TAU_MIXED[:4], 1.0, [0, 9], None),
+}
+
+
+def reference_case(name):
+    def run(kernels):
+        dtype, bsz, heads, kv_heads, q_len, k_len, dim, window, tau, q_scale, pad, docs = REFERENCE_CASES[name]
+        inputs = make_inputs(bsz, heads, kv_heads, q_len, k_len, dim, window, dtype, tau, q_scale)
+        return check(kernels, inputs, metadata(bsz, q_len, k_len, pad, docs), dtype, key_view="decode" in name)
+    return run
+
+
+def ampere_blocks(kernels):
+    """The sm80 block table (smaller tiles) on two reference cases: D 64 and D 128, GQA, padding, offsets."""
+    family = kernels._gpu_family
+    kernels._gpu_family = lambda device: "sm80"
+    try:
+        return {name: reference_case(name)(kernels)
+                for name in ("chunked-prefill-gqa3-bf16", "decode-cache-gqa3-d128-fp32", "gqa3-d128-window-long-fp32")}
+    finally:
+        kernels._gpu_family = family
+
+
+def split_k_decode_and_skip_off_match(kernels):
+    """The split-K decode kernels and the no-skipping variants compute the same as the default path."""
+    query, key, value, tau, bias, grad = make_inputs(2, 4, 2, 1, 300, 64, 64, torch.float32, [-1.0, 0.3, -3.0, 0])
+    meta = kernels._metadata(*metadata(2, 1, 300, pad=[0, 37]))
+    scaling = 0.125
+    expected = reference(query, key, value, tau, bias, *[m.long() for m in meta], scaling)
+    errors = {}
+    for splits, skip in ((1, True), (3, True), (5, False)):
+        out, lse, _ = kernels._forward(query, key, value, tau, bias, *meta, scaling, skip=skip, num_splits=splits)
+        errors[f"splits={splits} skip={skip}"] = relative_error(out, expected)
+    assert max(errors.values()) < TOLERANCE[torch.float32], errors
+    query, key, value, tau, bias, grad = make_inputs(1, 2, 1, 40, 40, 64, 16, torch.float32, [-2.0, -1.0])
+    meta = kernels._metadata(*metadata(1, 40, 40))
+    _, lse, _ = kernels._forward(query, key, value, tau, bias, *meta, scaling)
+    on = kernels._backward(grad, query, key, value, tau, bias, *meta, lse, scaling, skip=True)
+    off = kernels._backward(grad, query, key, value, tau, bias, *meta, lse, scaling, skip=False)
+    for a, b in zip(on, off):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    return errors
+
+
+def tile_density_counts(kernels):
+    """Pass 2 visits every visible tile when tau > 0, and skips dead tiles when a strong local bias wins."""
+    length = 256  # 2 query tiles of 128 rows x 4 key tiles of 64
+    query, key, value, _, _, _ = make_inputs(1, 1, 1, length, length, 64, 8, torch.float32, [0.0], q_scale=0.1)
+    meta = metadata(1, length, length)
+    dense = kernels.lazy_attention_tile_stats(query, key, value, torch.tensor([0.5]), torch.zeros(1, 8), *meta, 0.125)
+    block_m, block_n, _, _ = kernels._config("fwd", 64)
+    causal = sum(min(length, (m + 1) * block_m) // block_n for m in range(length // block_m))
+    assert dense[0] == dense[1] == causal, dense
+    local = torch.full((1, 8), -30.0)
+    local[0, :2] = 30.0  # only distances 0 and 1 carry weight
+    sparse = kernels.lazy_attention_tile_stats(query, key, value, torch.tensor([-1.0]), local, *meta, 0.125)
+    assert sparse[1] == causal and sparse[0] < sparse[1] and 0 < sparse[2] < 1, sparse
+    return {"dense": dense, "sparse": sparse}
+
+
+def refuses_what_it_cannot_run(kernels):
+    q = torch.zeros(1, 1, 4, 300)
+    with pytest.raises(ValueError, match="head_dim"):
+        kernels._check_inputs(q, q)
+    with pytest.raises(TypeError, match="float16, bfloat16 and float32"):
+        kernels._check_inputs(q.double()[..., :64], q.double()[..., :64])
+
+
+def model_greedy_generation_matches_eager(kernels):
+    """LazyLlama with "lazy" on the interpreted Triton kernels generates eager's greedy tokens (left padding)."""
+    import modeling_lazy.modeling_lazy as modeling
+    from modeling_lazy import LazyLlamaConfig, LazyLlamaForCausalLM
+
+    assert modeling.lazy_attention_triton is kernels.lazy_attention_triton
+    torch.manual_seed(0)
+    config = LazyLlamaConfig(vocab_size=97, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                             num_attention_heads=2, num_key_value_heads=1, lazy_bias_window=16,
+                             max_position_embeddings=128)
+    model = LazyLlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:  # sharper, varied heads so that Elastic-Softmax zeroes some weights
+            layer.self_attn.tau.copy_(torch.tensor([-1.0, 0.5]))
+            layer.self_attn.distance_bias.normal_(0.0, 1.0)
+    input_ids = torch.tensor([[5, 17, 42, 8, 63, 21, 9, 30, 2, 77, 4], [0, 0, 0, 0, 12, 33, 7, 61, 25, 3, 90]])
+    attention_mask = torch.tensor([[1] * 11, [0] * 4 + [1] * 7])
+    kwargs = dict(attention_mask=attention_mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    assert modeling._lazy_backend(torch.zeros(1)) == "triton"
+    calls = []
+    original = modeling.lazy_attention_triton
+    modeling.lazy_attention_triton = lambda *args: calls.append(1) or original(*args)
+    try:
+        with torch.no_grad():
+            lazy_tokens = model.generate(input_ids, **kwargs)
+    finally:
+        modeling.lazy_attention_triton = original
+    model.set_attn_implementation("eager")
+    with torch.no_grad():
+        eager_tokens = model.generate(input_ids, **kwargs)
+    assert len(calls) == 2 * 6  # 2 layers x (prefill + 5 decode steps) all ran on the Triton kernels
+    assert torch.equal(lazy_tokens, eager_tokens), (lazy_tokens, eager_tokens)
+    return {"tokens": lazy_tokens.tolist()}
+
+
+CASES = {
+    **{f"reference-{name}": reference_case(name) for name in REFERENCE_CASES},
+    "sm80-block-table": ampere_blocks,
+    "split-k-decode-and-skip-off": split_k_decode_and_skip_off_match,
+    "tile-density-counts": tile_density_counts,
+    "refuses-what-it-cannot-run": refuses_what_it_cannot_run,
+    "model-greedy-generation-triton-vs-eager": model_greedy_generation_matches_eager,
+}
+
+
+# ---------------------------------------------------------------------------------------------------
+# The pytest side: one child process runs every case under the interpreter; one test per case here.
+# ---------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def interpreter_results(tmp_path_factory):
+    pytest.importorskip("triton")
+    results_file = tmp_path_factory.mktemp("triton_interpreter") / "results.json"
+    env = {**os.environ, **ENVIRONMENT, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    child = subprocess.run([sys.executable, str(Path(__file__).resolve()), str(results_file)], cwd=ROOT, env=env,
+                           capture_output=True, text=True, timeout=CHILD_TIMEOUT_S)
+    if not results_file.exists():
+        pytest.fail(f"interpreter child failed (rc={child.returncode}):\n{child.stdout[-4000:]}\n{child.stderr[-4000:]}")
+    return json.loads(results_file.read_text())
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_triton_interpreter(case, interpreter_results):
+    result = interpreter_results[case]
+    if not result["ok"]:
+        pytest.fail(f"{case} failed in the interpreter child:\n{result['error']}")
+
+
+def _run_child(results_path: str) -> None:
+    """Child entry point: the environment is set by the parent before this first import of triton."""
+    assert all(os.environ.get(k) == v for k, v in ENVIRONMENT.items()), "run through pytest"
+    torch.set_num_threads(1)
+    import modeling_lazy.lazy_attention_triton as kernels
+
+    assert kernels._INTERPRET
+    results = {}
+    for name, case in CASES.items():
+        start = time.perf_counter()
+        try:
+            detail = case(kernels)
+            results[name] = {"ok": True, "detail": repr(detail)}
+        except BaseException:  # noqa: BLE001 - every failure is reported to the parent
+            results[name] = {"ok": False, "error": traceback.format_exc()}
+        results[name]["seconds"] = round(time.perf_counter() - start, 1)
+        print(f"{name}: {'ok' if results[name]['ok'] else 'FAILED'} ({results[name]['seconds']} s) "
+              f"{results[name].get('detail', '')}", flush=True)
+    Path(results_path).write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    _run_child(sys.argv[1])
