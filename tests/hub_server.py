@@ -257,8 +257,9 @@ class _Handler(BaseHTTPRequestHandler):
         hub.check_write(namespace or "", self.headers)
         repo_id = f"{namespace}/{payload['name']}"
         with hub._lock:
-            if repo_id in hub.repos:
-                raise HubError(409, "You already created this model repo")
+            if repo_id in hub.repos:  # the Hub's 409 still carries the url (the client reads it with exist_ok)
+                return self._send(409, {"error": "You already created this model repo", "url": f"{hub.url}/{repo_id}"},
+                                  {"X-Error-Message": "You already created this model repo"})
             repo = Repo(repo_id, private=payload.get("visibility") == "private")
             initial = repo.commit(None, "initial commit", {".gitattributes": b"*.safetensors filter=lfs diff=lfs merge=lfs -text\n"})
             repo.refs["main"] = initial.sha
