@@ -25,6 +25,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 from transformers.utils import hub as transformers_hub
 
+from conversion.model_card import SETTINGS_FILE, STATS_FILE, write_model_card
 from conversion.push_to_hub import PushError, main, push_to_hub, validate_folder
 from hub_server import FakeHub
 from modeling_lazy import LazyLlamaConfig, LazyLlamaForCausalLM
@@ -38,6 +39,11 @@ AUTO_MAP = {
     "AutoModelForCausalLM": "modeling_lazy.LazyLlamaForCausalLM",
 }
 TEXTS = ["w1 w2 w3 w4 w5 w6 w7 w8", "w9 w3 w3 w7"]
+BASE_MODEL = "HuggingFaceTB/SmolLM2-135M"
+CONVERSION = {"source": "/data/smollm2", "tau_init": -0.5, "bias_window": 8, "bias_init_std": 0.5, "seed": 0,
+              "dtype": "float32", "exact": False}
+STATS = {"mean": {"sparsity": 0.4321, "tile_density": 0.9, "sink": 0.1234, "surviving_mass": 0.8, "tau": -0.5},
+         "layers": [{"sparsity": [0.4, 0.5], "sink": [0.1, 0.2]}, {"sparsity": [0.3, 0.5], "sink": [0.05, 0.15]}]}
 
 
 # -- a tiny checkpoint ---------------------------------------------------------------------------------
@@ -62,6 +68,11 @@ def checkpoint(tmp_path_factory):
     folder = tmp_path_factory.mktemp("ckpt") / "tiny-lazy"
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
+    # what the converter and `lazy-inspect` leave next to the weights; the card on the Hub must carry them
+    (folder / SETTINGS_FILE).write_text(json.dumps(CONVERSION))
+    (folder / STATS_FILE).write_text(json.dumps(STATS))
+    write_model_card(folder, base_model=BASE_MODEL, license="apache-2.0",
+                     conversion={k: v for k, v in CONVERSION.items() if k != "source"})
     return folder, model, tokenizer
 
 
@@ -149,6 +160,13 @@ def test_cli_prints_url_and_uploads_a_complete_repo(hub, checkpoint, published):
         assert expected in front_matter
     assert 'from_pretrained("alice/tiny-cli", trust_remote_code=True)' in card
     assert "import modeling_lazy" in card
+    # carried from the folder's card, settings and statistics
+    for expected in (f"base_model: {BASE_MODEL}", "license: apache-2.0"):
+        assert expected in front_matter
+    assert "| bias_window | 8 |" in card and "/data/smollm2" not in card
+    assert "| 0.4321 |" in card and "| 0.1234 |" in card  # mean sparsity and sink
+    assert "| 1 | 0.4000 | 0.1000 |" in card  # per layer: sparsity, sink
+    assert "# tiny-lazy" not in card and "# alice/tiny-cli" in card
 
 
 def test_model_push_to_hub_uploads_code_and_full_auto_map(hub, published):
@@ -296,7 +314,8 @@ def test_500_on_commit_loses_nothing_and_rerun_completes_then_twice_is_safe(clie
     first = push_to_hub(folder, "alice/flaky")
     files = repo.files()
     assert set(validate_folder(folder)) <= set(files) and "README.md" in files
-    assert len(first.uploaded) == len(validate_folder(folder)) + 1  # every file and the card
+    assert sorted(first.uploaded) == sorted(set(validate_folder(folder)) | {"README.md"})  # every file and the card
+    assert (folder / "README.md").read_bytes() != files["README.md"]  # the card was rendered for the repo, not copied
 
     head = repo.refs["main"]
     second = push_to_hub(folder, "alice/flaky")
