@@ -339,14 +339,21 @@ def test_stale_weight_shards_are_removed(client, checkpoint, tmp_path):
     assert len(shards) > 1 and shards <= set(files)
 
 
-def test_private_revision_and_pull_request(client, checkpoint, capsys):
+def test_private_revision_stats_and_pull_request(client, checkpoint, capsys, tmp_path):
     folder = str(checkpoint[0])
-    assert main([folder, "alice/options", "--private", "--revision", "dev", "--commit-message", "to dev"]) == 0
+    (tmp_path / "bad.json").write_text("[]")
+    assert main([folder, "alice/options", "--stats", str(tmp_path / "bad.json")]) == 1
+    assert "holds no attention statistics" in capsys.readouterr().err and "alice/options" not in client.repos
+
+    (tmp_path / "stats.json").write_text(json.dumps({"sparsity": 0.5959}))
+    assert main([folder, "alice/options", "--private", "--revision", "dev", "--commit-message", "to dev",
+                 "--stats", str(tmp_path / "stats.json")]) == 0
     assert capsys.readouterr().out.strip() == f"{client.url}/alice/options/tree/dev"
     repo = client.repos["alice/options"]
     assert repo.private
     assert sorted(repo.files("main")) == [".gitattributes"] and "model.safetensors" in repo.files("dev")
     assert repo.resolve("dev").message == "to dev"
+    assert "| 0.5959 |" in repo.files("dev")["README.md"].decode()  # --stats wins over DIR/attention_stats.json
 
     main_head = repo.refs["main"]
     assert main([folder, "alice/options", "--create-pr", "--commit-message", "proposal"]) == 0
