@@ -25,10 +25,11 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 from transformers.utils import hub as transformers_hub
 
+from conftest import tiny_model
 from conversion.model_card import SETTINGS_FILE, STATS_FILE, write_model_card
 from conversion.push_to_hub import PushError, main, push_to_hub, validate_folder
 from hub_server import FakeHub
-from modeling_lazy import LazyLlamaConfig, LazyLlamaForCausalLM
+from modeling_lazy import LazyLlamaForCausalLM
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 WRITER, OTHER = "hf_alice_write", "hf_bob_write"  # tokens of users "alice" and "bob"
@@ -40,16 +41,17 @@ AUTO_MAP = {
 }
 TEXTS = ["w1 w2 w3 w4 w5 w6 w7 w8", "w9 w3 w3 w7"]
 BASE_MODEL = "HuggingFaceTB/SmolLM2-135M"
-CONVERSION = {"source": "/data/smollm2", "tau_init": -0.5, "bias_window": 8, "bias_init_std": 0.5, "seed": 0,
+CONVERSION = {"source": "/data/smollm2", "tau_init": -0.5, "bias_window": 6, "bias_init_std": 0.5, "seed": 0,
               "dtype": "float32", "exact": False}
 STATS = {"mean": {"sparsity": 0.4321, "tile_density": 0.9, "sink": 0.1234, "surviving_mass": 0.8, "tau": -0.5},
          "layers": [{"sparsity": [0.4, 0.5], "sink": [0.1, 0.2]}, {"sparsity": [0.3, 0.5], "sink": [0.05, 0.15]}]}
 
 
 # -- a tiny checkpoint ---------------------------------------------------------------------------------
-def _tokenizer() -> PreTrainedTokenizerFast:
-    vocab = {token: i for i, token in enumerate(["<unk>", "<s>", "</s>", "<pad>"] + [f"w{i}" for i in range(60)])}
-    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+def _tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
+    """A word-level tokenizer built offline; ids 0/1/2 are pad/bos/eos as in `conftest.tiny_config`."""
+    words = ["<pad>", "<s>", "</s>", "<unk>"] + [f"w{i}" for i in range(vocab_size - 4)]
+    backend = Tokenizer(models.WordLevel({word: i for i, word in enumerate(words)}, unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.Whitespace()
     return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
                                    pad_token="<pad>", padding_side="left")
@@ -57,14 +59,10 @@ def _tokenizer() -> PreTrainedTokenizerFast:
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    """(folder, model, tokenizer): a 2-layer GQA LazyLlama with non-trivial tau/distance_bias, saved with its tokenizer."""
-    torch.manual_seed(0)
-    config = LazyLlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                             num_attention_heads=4, num_key_value_heads=2, lazy_bias_window=8,
-                             max_position_embeddings=64, lazy_tau_init=-0.5, lazy_bias_init_std=0.5,
-                             pad_token_id=3)
-    model = LazyLlamaForCausalLM(config).eval()
-    tokenizer = _tokenizer()
+    """(folder, model, tokenizer): `conftest.tiny_model` (GQA, non-trivial tau and distance bias) saved with a
+    tokenizer, conversion settings, attention statistics and a generated card, as the converter leaves it."""
+    model = tiny_model(seed=0)
+    tokenizer = _tokenizer(model.config.vocab_size)
     folder = tmp_path_factory.mktemp("ckpt") / "tiny-lazy"
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
@@ -163,7 +161,7 @@ def test_cli_prints_url_and_uploads_a_complete_repo(hub, checkpoint, published):
     # carried from the folder's card, settings and statistics
     for expected in (f"base_model: {BASE_MODEL}", "license: apache-2.0"):
         assert expected in front_matter
-    assert "| bias_window | 8 |" in card and "/data/smollm2" not in card
+    assert "| bias_window | 6 |" in card and "/data/smollm2" not in card
     assert "| 0.4321 |" in card and "| 0.1234 |" in card  # mean sparsity and sink
     assert "| 1 | 0.4000 | 0.1000 |" in card  # per layer: sparsity, sink
     assert "# tiny-lazy" not in card and "# alice/tiny-cli" in card
