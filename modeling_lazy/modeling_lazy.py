@@ -300,6 +300,13 @@ class LazyLlamaPreTrainedModel(PreTrainedModel):
                 shutil.copyfile(path, os.path.join(save_directory, os.path.basename(path)))
         return result
 
+    def push_to_hub(self, repo_id: str, *args, tags: list[str] | None = None, **kwargs):
+        """`PreTrainedModel.push_to_hub`, tagged `lazy-attention` and `custom_code`. It saves through
+        `save_pretrained` above, so the code files and the full `auto_map` are uploaded too. For a full model
+        card (conversion settings, measured statistics, usage) publish a saved folder with `lazy-push`."""
+        tags = list(dict.fromkeys(["lazy-attention", "custom_code", *(tags or [])]))
+        return super().push_to_hub(repo_id, *args, tags=tags, **kwargs)
+
 
 class LazyLlamaModel(LazyLlamaPreTrainedModel):
     def __init__(self, config: LazyLlamaConfig):
