@@ -42,3 +42,34 @@ def rng_seed():
     seed = int(torch.randint(0, 2**31 - 1, ()).item())
     torch.manual_seed(seed)
     return seed
+
+
+PROJECT_PACKAGES = ("modeling_lazy", "configuration_lazy", "conversion", "lazy_tools")
+
+
+def run_without_project(script: str, args=(), *, cwd, env, timeout: int = 600):
+    """Run `script` in a fresh interpreter that has the environment's packages but cannot import this project.
+
+    `-I -S`: no cwd or PYTHONPATH on sys.path and no `.pth` files (the editable install is one); the
+    site-packages directory is then appended by hand. The script first proves the project is unreachable.
+    """
+    import subprocess
+    import sys
+    import sysconfig
+    import textwrap
+    from pathlib import Path
+
+    prelude = textwrap.dedent(f"""
+        import sys
+        sys.path.append({sysconfig.get_paths()["purelib"]!r})
+        for _package in {PROJECT_PACKAGES!r}:
+            try:
+                __import__(_package)
+            except ImportError:
+                continue
+            raise SystemExit(f"the clean interpreter can import {{_package}}: the test would prove nothing")
+    """)
+    path = Path(cwd) / "clean_script.py"
+    path.write_text(prelude + textwrap.dedent(script))
+    return subprocess.run([sys.executable, "-I", "-S", str(path), *map(str, args)], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)

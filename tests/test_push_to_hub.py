@@ -14,7 +14,6 @@ import os
 import shutil
 import subprocess
 import sys
-import sysconfig
 import textwrap
 from pathlib import Path
 
@@ -25,7 +24,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 from transformers.utils import hub as transformers_hub
 
-from conftest import tiny_model
+from conftest import run_without_project, tiny_model
 from conversion.model_card import SETTINGS_FILE, STATS_FILE, write_model_card
 from conversion.push_to_hub import PushError, main, push_to_hub, validate_folder
 from hub_server import FakeHub
@@ -176,14 +175,6 @@ def test_model_push_to_hub_uploads_code_and_full_auto_map(hub, published):
 
 
 LOADER = textwrap.dedent("""
-    import sys
-    sys.path.append({site_packages!r})  # started with -I -S: no .pth files, so not the project's editable install
-    for package in ("modeling_lazy", "configuration_lazy", "conversion"):
-        try:
-            __import__(package)
-        except ImportError:
-            continue
-        raise SystemExit(f"the fresh interpreter can import {{package}}: the test would prove nothing")
     import torch
     from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
 
@@ -208,11 +199,9 @@ LOADER = textwrap.dedent("""
 def test_fresh_python_without_the_package_loads_what_was_pushed(hub, checkpoint, published, tmp_path):
     _, model, tokenizer = checkpoint
     repos = ["alice/tiny-cli", "alice/tiny-method"]
-    script = tmp_path / "load.py"
     out = tmp_path / "loaded.pt"
-    script.write_text(LOADER.format(site_packages=sysconfig.get_paths()["purelib"], repos=repos, texts=TEXTS, out=str(out)))
-    run = subprocess.run([sys.executable, "-I", "-S", str(script)], cwd=tmp_path, env=_subprocess_env(hub, tmp_path / "home"),
-                         capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
+    run = run_without_project(LOADER.format(repos=repos, texts=TEXTS, out=str(out)), cwd=tmp_path,
+                              env=_subprocess_env(hub, tmp_path / "home"), timeout=300)
     assert run.returncode == 0, run.stdout + run.stderr
     results = torch.load(out)
     batch = tokenizer(TEXTS, return_tensors="pt", padding=True)

@@ -2,18 +2,12 @@
 
 import json
 import os
-import subprocess
-import sys
-import textwrap
-from pathlib import Path
 
 import torch
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
-from conftest import tiny_model
+from conftest import run_without_project, tiny_model
 from modeling_lazy import LazyLlamaConfig, LazyLlamaForCausalLM, LazyLlamaModel
-
-PROJECT_ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_auto_round_trip_keeps_tau_and_bias(tmp_path, rng_seed):
@@ -71,51 +65,18 @@ def test_missing_lazy_parameters_are_initialised_from_config(tmp_path):
     assert torch.equal(loaded_q, weights["model.layers.0.self_attn.q_proj.weight"])
 
 
-REMOTE_SCRIPT = textwrap.dedent("""
-    import sys, torch
-    try:
-        import modeling_lazy  # must not be importable: the checkpoint's own code has to do the work
-        raise SystemExit("project package leaked into the clean interpreter")
-    except ImportError:
-        pass
-    from transformers import AutoModel, AutoModelForCausalLM
-    path, ids_path, out_path = sys.argv[1:4]
-    ids = torch.load(ids_path)
-    lm = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True)
-    base = AutoModel.from_pretrained(path, trust_remote_code=True)
-    assert type(lm).__name__ == "LazyLlamaForCausalLM", type(lm)
-    assert type(base).__name__ == "LazyLlamaModel", type(base)
-    assert lm.config._attn_implementation == "lazy"
-    torch.save({"logits": lm(ids).logits, "hidden": base(ids).last_hidden_state}, out_path)
-""")
-
-
-def clean_python_env(tmp_path):
-    """Environment for a subprocess that cannot see the project (no PYTHONPATH, user site off, own HF cache)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "HF_"))}
-    env["HF_HOME"] = str(tmp_path / "hf_home")
-    env["HF_HUB_OFFLINE"] = "1"
-    return env
-
-
-def run_clean_python(script: str, args, tmp_path):
-    """Run `script` with `-I` (isolated: no cwd, no PYTHONPATH) and the project's editable-install path hooks
-    removed, from a temporary directory."""
-    prelude = textwrap.dedent(f"""
-        import sys
-        root = {str(PROJECT_ROOT)!r}
-        def project(path):  # the project tree, but not a virtual environment that happens to live inside it
-            return path == root or (path.startswith(root + "/") and not path.startswith(sys.prefix))
-        sys.path[:] = [p for p in sys.path if p and not project(p)]
-        sys.meta_path[:] = [f for f in sys.meta_path if "editable" not in repr(f).lower()]
-        sys.path_hooks[:] = [h for h in sys.path_hooks if "editable" not in repr(h).lower()]
-        for key in [k for k in sys.path_importer_cache if project(k)]:
-            del sys.path_importer_cache[key]
-    """)
-    script_path = tmp_path / "clean_script.py"
-    script_path.write_text(prelude + script)
-    return subprocess.run([sys.executable, "-I", str(script_path), *map(str, args)], cwd=tmp_path,
-                          env=clean_python_env(tmp_path), capture_output=True, text=True, timeout=600)
+REMOTE_SCRIPT = """
+import sys, torch
+from transformers import AutoModel, AutoModelForCausalLM
+path, ids_path, out_path = sys.argv[1:4]
+ids = torch.load(ids_path)
+lm = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True)
+base = AutoModel.from_pretrained(path, trust_remote_code=True)
+assert type(lm).__name__ == "LazyLlamaForCausalLM" and type(lm).__module__.startswith("transformers_modules.")
+assert type(base).__name__ == "LazyLlamaModel", type(base)
+assert lm.config._attn_implementation == "lazy"
+torch.save({"logits": lm(ids).logits, "hidden": base(ids).last_hidden_state}, out_path)
+"""
 
 
 def test_trust_remote_code_in_a_python_without_the_project(tmp_path, rng_seed):
@@ -124,7 +85,9 @@ def test_trust_remote_code_in_a_python_without_the_project(tmp_path, rng_seed):
     model.save_pretrained(ckpt)
     ids = torch.randint(3, 97, (2, 10))
     torch.save(ids, tmp_path / "ids.pt")
-    result = run_clean_python(REMOTE_SCRIPT, [ckpt, tmp_path / "ids.pt", tmp_path / "out.pt"], tmp_path)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "HF_"))}
+    env.update(HF_HOME=str(tmp_path / "hf_home"), HF_HUB_OFFLINE="1")
+    result = run_without_project(REMOTE_SCRIPT, [ckpt, tmp_path / "ids.pt", tmp_path / "out.pt"], cwd=tmp_path, env=env)
     assert result.returncode == 0, result.stdout + result.stderr
     out = torch.load(tmp_path / "out.pt")
     torch.testing.assert_close(out["logits"], model(ids).logits, atol=1e-6, rtol=1e-6)
