@@ -362,9 +362,12 @@ def convert(
 ) -> dict:
     """Convert the Llama at `source` into a LazyLlama folder `output` (see the module docstring).
 
-    Returns a summary dict (`output`, `shards`, `dtype`, `max_abs_diff` when verified). Raises
+    `log` is a print-like function for progress messages (None: silent). Returns a summary dict (`output`,
+    `shards`, `dtype`, `bytes`, and `max_abs_diff` when verified). Raises
     `ConversionError` for bad input; `output` is then left untouched (never half-written).
     """
+    quiet = log is None
+    log = log or (lambda *args: None)
     source, output = Path(source).expanduser().resolve(), Path(output).expanduser().resolve()
     if not source.exists():
         raise ConversionError(f"source {source} does not exist.")
@@ -407,7 +410,7 @@ def convert(
         writer = ShardWriter(tmp, max_bytes)
         seen = set()
         tensors = _gguf_tensors(source, out_dtype) if gguf else (
-            item for path in _progress(files, "reading source files", log) for item in _iter_file(path, source_format)
+            item for path in _progress(files, "reading source files", quiet) for item in _iter_file(path, source_format)
         )
         for name, tensor in tensors:
             name = _canonical_name(name)
@@ -480,10 +483,10 @@ def convert(
     return summary
 
 
-def _progress(items, description, log):
+def _progress(items, description, quiet):
     from tqdm.auto import tqdm
 
-    return tqdm(items, desc=description, unit="file", disable=log is None or len(items) < 2, file=sys.stderr)
+    return tqdm(items, desc=description, unit="file", disable=quiet or len(items) < 2, file=sys.stderr)
 
 
 def _publish(tmp: Path, output: Path) -> None:
@@ -513,6 +516,7 @@ def verify_conversion(source: str | Path, converted: str | Path, *, dtype: torch
     """
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
+    log = log or (lambda *args: None)
     source, converted = Path(source), Path(converted)
     log("  verifying: loading the source Llama ...")
     if _is_gguf(source):
