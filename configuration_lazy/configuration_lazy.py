@@ -37,6 +37,7 @@ class LazyLlamaConfig(LlamaConfig):
     def __post_init__(self, **kwargs):
         # Checked here, before the strict-dataclass validators, so that bad values raise a plain ValueError.
         self._validate_lazy_fields()
+        kwargs.pop("model_type", None)  # a vanilla Llama config.json says "llama": this class is "lazy_llama"
         super().__post_init__(**kwargs)
 
     def _validate_lazy_fields(self):

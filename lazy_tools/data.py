@@ -54,7 +54,7 @@ def smollm2_llama_dir() -> Path:
 
     This is a vanilla `LlamaForCausalLM` checkpoint with its tokenizer: the input a user would convert.
     """
-    final = cache_dir() / "smollm2-135m-instruct-llama"
+    final = cache_dir() / "smollm2-135m-instruct-llama-fp32"
     if (final / "config.json").is_file():
         return final
     import torch
@@ -66,6 +66,8 @@ def smollm2_llama_dir() -> Path:
     # A GGUF-loaded model cannot be saved directly: rebuild a plain model from its state dict.
     config = loaded.config
     config.dtype = torch.float32
+    if getattr(config, "quantization_config", None) is not None:  # the weights are dequantised: plain fp32
+        del config.quantization_config
     model = LlamaForCausalLM(config)
     model.load_state_dict(loaded.state_dict())
     tmp = Path(tempfile.mkdtemp(prefix=".tmp-smollm2-", dir=cache_dir()))

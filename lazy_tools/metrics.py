@@ -104,17 +104,25 @@ def perplexity(model, token_ids: torch.Tensor, context: int = 512, stride: int |
     not scored by the previous window (all of them for the first), so every token after the first is scored
     exactly once with up to `context - 1` tokens of history.
 
-    Returns `{"perplexity", "nll", "tokens"}` with `perplexity = exp(nll)` and `nll` the mean over scored tokens.
-    `progress`, if given, is called with (windows done, windows total).
+    Windows start every `stride` tokens, with `stride` (default `context`) capped at `context - 1`: a window's
+    first token has no history inside it, so consecutive windows must overlap by at least one token or that
+    token would never be scored.
+
+    Returns `{"perplexity", "nll", "tokens", "context", "stride"}` with `perplexity = exp(nll)`, `nll` the mean
+    over scored tokens and `stride` the one used. `progress`, if given, is called with (windows done, total).
     """
+    if context < 2:
+        raise ValueError(f"context must be >= 2 (a token and its history), got {context}")
     stride = stride or context
     if token_ids.dim() != 1 or token_ids.numel() < 2:
         raise ValueError("perplexity needs a 1-D sequence of at least 2 tokens")
     if not 0 < stride <= context:
         raise ValueError(f"stride must be in 1..context ({context}), got {stride}")
+    stride = min(stride, context - 1)
     device = next(model.parameters()).device
     total_nll, total_tokens, scored_until = 0.0, 0, 1  # token 0 is never scored (no history)
-    starts = list(range(0, max(1, token_ids.numel() - 1), stride))
+    windows = 1 + math.ceil(max(0, token_ids.numel() - context) / stride)  # the last one reaches the end
+    starts = [k * stride for k in range(windows)]
     for done, begin in enumerate(starts, 1):
         end = min(begin + context, token_ids.numel())
         window = token_ids[begin:end].to(device)[None]
@@ -131,4 +139,4 @@ def perplexity(model, token_ids: torch.Tensor, context: int = 512, stride: int |
         if end == token_ids.numel():
             break
     mean = total_nll / total_tokens
-    return {"perplexity": math.exp(mean), "nll": mean, "tokens": total_tokens}
+    return {"perplexity": math.exp(mean), "nll": mean, "tokens": total_tokens, "context": context, "stride": stride}

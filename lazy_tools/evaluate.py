@@ -1,0 +1,80 @@
+"""`lazy-evaluate`: sliding-window perplexity of a LazyLlama on a text file.
+
+    lazy-evaluate MODEL --text FILE [--context 512] [--stride 256] [--baseline MODEL]
+
+Each window of `--context` tokens scores only the tokens the previous window did not (all of them for the
+first), so every token after the first is scored exactly once with up to `context - 1` tokens of history
+(`lazy_tools.metrics.perplexity`). With `--baseline` (a vanilla Llama or another LazyLlama with the same
+tokenizer) the same tokens are scored by both. Benchmarks: see the README (lm-evaluation-harness `HFLM`).
+"""
+
+import argparse
+import json
+from pathlib import Path
+
+from tqdm.auto import tqdm
+
+from lazy_tools.checkpoints import DTYPES, NotALazyLlama, load_causal_lm, load_tokenizer, read_token_ids
+from lazy_tools.metrics import perplexity
+
+
+def evaluate_perplexity(model, token_ids, context: int, stride: int | None, name: str, show_progress: bool = True):
+    """`metrics.perplexity` with a progress bar; returns its dict (with the stride used) plus `model`."""
+    with tqdm(desc=f"perplexity {name}", unit="window", disable=not show_progress) as bar:
+        def progress(done, total):
+            bar.total = total
+            bar.update(done - bar.n)
+
+        result = perplexity(model, token_ids, context=context, stride=stride, progress=progress)
+    return {"model": name, **result}
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="lazy-evaluate",
+                                     description="Sliding-window perplexity of a LazyLlama checkpoint on a text file.")
+    parser.add_argument("model", help="LazyLlama folder or Hub id (converted or trained)")
+    parser.add_argument("--text", required=True, help="UTF-8 text file to score")
+    parser.add_argument("--context", type=int, default=512, help="tokens per window (default: %(default)s)")
+    parser.add_argument("--stride", type=int, help="tokens between window starts, 1..context; capped at context - 1 "
+                        "so that windows overlap by a token (default: context - 1)")
+    parser.add_argument("--max-tokens", type=int, help="score only the first N tokens of the text")
+    parser.add_argument("--baseline", help="also score a vanilla Llama or LazyLlama with the same tokenizer")
+    parser.add_argument("--tokenizer", help="tokenizer folder (default: MODEL's)")
+    parser.add_argument("--json", help="also write the results to this JSON file")
+    parser.add_argument("--device", default="auto", help="auto (CUDA if available), cpu, cuda, cuda:1, ...")
+    parser.add_argument("--dtype", default="float32", choices=list(DTYPES), help="weights dtype (default: %(default)s)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        if args.context < 2:
+            raise ValueError(f"--context must be >= 2, got {args.context}")
+        models = [(args.model, load_causal_lm(args.model, role="model", device=args.device, dtype=args.dtype))]
+        if args.baseline:
+            models.append((args.baseline, load_causal_lm(args.baseline, role="baseline", device=args.device,
+                                                         dtype=args.dtype)))
+        tokenizer = load_tokenizer(args.tokenizer or args.model)
+        ids = read_token_ids(args.text, tokenizer, args.max_tokens)
+        results = []
+        for name, model in models:
+            if int(ids.max()) >= model.config.vocab_size:
+                raise ValueError(f"token id {int(ids.max())} is outside {name}'s vocabulary "
+                                 f"({model.config.vocab_size}): the models must share the tokenizer")
+            results.append(evaluate_perplexity(model, ids, args.context, args.stride, name, not args.no_progress))
+    except (NotALazyLlama, ValueError, OSError) as error:
+        raise SystemExit(f"lazy-evaluate: error: {error}") from None
+    for result in results:
+        print(f"{result['model']}: perplexity {result['perplexity']:.4f} (mean NLL {result['nll']:.4f} nats over "
+              f"{result['tokens']} tokens of {args.text}; context {result['context']}, stride {result['stride']})")
+    if len(results) == 2:
+        print(f"ratio model / baseline: {results[0]['perplexity'] / results[1]['perplexity']:.4f}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"text_file": args.text, "results": results}, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,44 @@
+"""Shared fixtures: tiny random LazyLlama models with hand-set, non-trivial tau and distance bias."""
+
+import pytest
+import torch
+
+import modeling_lazy  # noqa: F401  (registers the Auto classes)
+from modeling_lazy import LazyLlamaConfig, LazyLlamaForCausalLM
+
+
+def tiny_config(**overrides) -> LazyLlamaConfig:
+    values = dict(
+        vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, lazy_bias_window=6, max_position_embeddings=256, rope_theta=10000.0,
+        pad_token_id=0, bos_token_id=1, eos_token_id=2,
+    )
+    values.update(overrides)
+    return LazyLlamaConfig(**values)
+
+
+def randomize_lazy(model, tau_scale: float = 1.0, bias_scale: float = 0.5, generator=None) -> None:
+    """Give every layer tau of both signs and a visible distance bias (fresh random values each call)."""
+    with torch.no_grad():
+        for layer in model.model.layers:
+            attn = layer.self_attn
+            attn.tau.copy_((torch.rand(attn.tau.shape, generator=generator) * 2 - 1) * tau_scale * 2)
+            attn.distance_bias.normal_(0.0, bias_scale, generator=generator)
+
+
+def tiny_model(seed=None, attn_implementation=None, **overrides) -> LazyLlamaForCausalLM:
+    if seed is not None:
+        torch.manual_seed(seed)
+    model = LazyLlamaForCausalLM(tiny_config(**overrides))
+    randomize_lazy(model)
+    if attn_implementation is not None:
+        model.set_attn_implementation(attn_implementation)
+    return model.eval()
+
+
+@pytest.fixture
+def rng_seed():
+    """A fresh seed per test run (printed on failure) so tests see new random inputs each time."""
+    seed = int(torch.randint(0, 2**31 - 1, ()).item())
+    torch.manual_seed(seed)
+    return seed

@@ -1,0 +1,238 @@
+"""The model against an independent float64 implementation of SPEC section 1, and against Llama."""
+
+import json
+
+import pytest
+import torch
+from transformers import AutoConfig, LlamaConfig, LlamaForCausalLM
+
+from conftest import randomize_lazy, tiny_config, tiny_model
+from modeling_lazy import LazyLlamaConfig, LazyLlamaForCausalLM
+from reference64 import lazy_llama_logits64
+
+IMPLEMENTATIONS = ["eager", "lazy"]
+
+
+# ----------------------------------------------------------------------------- config
+
+def test_vanilla_llama_config_json_loads(tmp_path):
+    llama = LlamaConfig(vocab_size=50, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+                        intermediate_size=64, num_hidden_layers=1, rope_theta=123.0)
+    llama.save_pretrained(tmp_path)
+    config = LazyLlamaConfig.from_pretrained(tmp_path)
+    assert config.model_type == "lazy_llama"
+    assert config.num_key_value_heads == 2 and config.rope_parameters["rope_theta"] == 123.0
+    assert (config.lazy_bias_window, config.lazy_tau_init, config.lazy_bias_init_std) == (1024, -1.0, 1e-3)
+    assert json.loads((tmp_path / "config.json").read_text())["model_type"] == "llama"
+
+
+@pytest.mark.parametrize("bad, message", [
+    (dict(lazy_bias_window=0), "lazy_bias_window"),
+    (dict(num_attention_heads=4, num_key_value_heads=3), "num_key_value_heads"),
+    (dict(lazy_tau_init=float("inf")), "lazy_tau_init"),
+    (dict(lazy_bias_init_std=float("nan")), "lazy_bias_init_std"),
+    (dict(lazy_bias_init_std=-1.0), "lazy_bias_init_std"),
+    (dict(hidden_size=66, num_attention_heads=4, head_dim=None), "num_attention_heads"),
+])
+def test_invalid_config_raises_value_error(bad, message):
+    with pytest.raises(ValueError, match=message):
+        tiny_config(**bad)
+
+
+def test_new_model_initialisation_follows_config():
+    model = LazyLlamaForCausalLM(tiny_config(lazy_tau_init=-0.75, lazy_bias_init_std=0.02, lazy_bias_window=300))
+    for layer in model.model.layers:
+        attn = layer.self_attn
+        assert attn.tau.dtype == torch.float32 and attn.distance_bias.dtype == torch.float32
+        assert attn.tau.shape == (4,) and attn.distance_bias.shape == (4, 300)
+        assert torch.all(attn.tau == -0.75)
+        assert 0.01 < attn.distance_bias.std().item() < 0.03
+
+
+# ----------------------------------------------------------------------------- logits vs float64 reference
+
+CASES = {
+    "gqa-window-short": dict(overrides=dict(lazy_bias_window=4), batch=2, length=13),
+    "mha-window-long": dict(overrides=dict(num_key_value_heads=4, lazy_bias_window=64), batch=1, length=17),
+    "gqa3-left-padding": dict(overrides=dict(num_attention_heads=6, num_key_value_heads=2, hidden_size=96),
+                              batch=3, length=11, pad=[0, 4, 7]),
+    "packed-documents": dict(overrides=dict(), batch=1, length=16, packed=[5, 1, 7, 3]),
+}
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("case", list(CASES))
+def test_logits_match_float64_reference(case, implementation, rng_seed):
+    spec = CASES[case]
+    model = tiny_model(attn_implementation=implementation, **spec["overrides"])
+    ids = torch.randint(3, 97, (spec["batch"], spec["length"]))
+    mask = position_ids = None
+    if "pad" in spec:
+        mask = torch.ones_like(ids)
+        for row, pad in enumerate(spec["pad"]):
+            mask[row, :pad] = 0
+    if "packed" in spec:
+        position_ids = torch.cat([torch.arange(n) for n in spec["packed"]])[None]
+    got = model(input_ids=ids, attention_mask=mask, position_ids=position_ids).logits.double()
+    want = lazy_llama_logits64(model, ids, mask, position_ids)
+    valid = torch.ones_like(ids, dtype=torch.bool) if mask is None else mask.bool()
+    assert (got - want)[valid].abs().max().item() < 2e-4, f"seed {rng_seed}"
+
+
+def test_reference_sees_tau_and_bias(rng_seed):
+    """Guard against a vacuous comparison: changing tau or the bias changes the logits."""
+    model = tiny_model()
+    ids = torch.randint(3, 97, (1, 12))
+    base = model(ids).logits
+    with torch.no_grad():
+        model.model.layers[0].self_attn.tau.add_(0.5)
+    assert (model(ids).logits - base).abs().max() > 1e-3
+    with torch.no_grad():
+        model.model.layers[0].self_attn.tau.sub_(0.5)
+        model.model.layers[1].self_attn.distance_bias[:, 1].add_(1.0)
+    assert (model(ids).logits - base).abs().max() > 1e-3
+
+
+def test_packed_documents_equal_each_document_alone(rng_seed):
+    model = tiny_model()
+    lengths = [4, 9, 3]
+    docs = [torch.randint(3, 97, (1, n)) for n in lengths]
+    packed = model(torch.cat(docs, 1), position_ids=torch.cat([torch.arange(n) for n in lengths])[None]).logits
+    alone = torch.cat([model(d).logits for d in docs], 1)
+    assert (packed - alone).abs().max() < 1e-5
+    # cu_seq_lens (DataCollatorWithFlattening style) gives the same
+    cu = torch.tensor([0, 4, 13, 16])
+    pos = torch.cat([torch.arange(n) for n in lengths])[None]
+    flat = model(torch.cat(docs, 1), position_ids=pos, cu_seq_lens_q=cu, cu_seq_lens_k=cu).logits
+    assert (flat - alone).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_left_padding_without_position_ids_equals_prompt_alone(implementation, rng_seed):
+    model = tiny_model(attn_implementation=implementation)
+    prompts = [torch.randint(3, 97, (n,)) for n in (9, 5, 2)]
+    width = max(len(p) for p in prompts)
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, p in enumerate(prompts):
+        ids[row, width - len(p):] = p
+        mask[row, width - len(p):] = 1
+    batched = model(input_ids=ids, attention_mask=mask).logits
+    for row, p in enumerate(prompts):
+        alone = model(p[None]).logits[0]
+        assert (batched[row, width - len(p):] - alone).abs().max() < 1e-5
+
+
+# ----------------------------------------------------------------------------- exactness vs Llama
+
+@pytest.mark.parametrize("kv_heads, tied", [(4, False), (2, True), (1, False)])
+def test_tau_zero_bias_zero_equals_llama(kv_heads, tied, rng_seed):
+    config = tiny_config(num_key_value_heads=kv_heads, tie_word_embeddings=tied, lazy_tau_init=0.0,
+                         lazy_bias_init_std=0.0)
+    llama_config = LlamaConfig(**{k: v for k, v in config.to_dict().items() if not k.startswith("lazy_")})
+    llama = LlamaForCausalLM(llama_config).eval()
+    for implementation in IMPLEMENTATIONS:
+        lazy = LazyLlamaForCausalLM(config).eval()
+        missing = lazy.load_state_dict(llama.state_dict(), strict=False).missing_keys
+        assert all(k.endswith(("self_attn.tau", "self_attn.distance_bias")) for k in missing)
+        lazy.set_attn_implementation(implementation)
+        ids = torch.randint(3, 97, (2, 24))
+        mask = torch.ones_like(ids)
+        mask[1, :5] = 0
+        diff = (lazy(ids, attention_mask=mask).logits - llama(ids, attention_mask=mask).logits)[mask.bool()]
+        assert diff.abs().max().item() <= 1e-4
+
+
+# ----------------------------------------------------------------------------- gradients
+
+def test_lazy_gradients_equal_eager_for_every_parameter(rng_seed):
+    eager = tiny_model(attn_implementation="eager", lazy_bias_window=5)
+    lazy = tiny_model(attn_implementation="lazy", lazy_bias_window=5)
+    lazy.load_state_dict(eager.state_dict())
+    ids = torch.randint(3, 97, (2, 14))
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    labels = ids.masked_fill(mask == 0, -100)
+    grads = []
+    for model in (eager, lazy):
+        model.train()
+        model.zero_grad()
+        model(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+    assert set(grads[0]) == set(grads[1])
+    for name, g in grads[0].items():
+        assert g.abs().max() > 0 or "embed" in name, name
+        torch.testing.assert_close(grads[1][name], g, atol=2e-6, rtol=1e-4, msg=name)
+    assert any(g.abs().max() > 0 for n, g in grads[1].items() if n.endswith("tau"))
+    assert any(g.abs().max() > 0 for n, g in grads[1].items() if n.endswith("distance_bias"))
+
+
+def test_torch_attention_op_gradcheck(rng_seed):
+    """Float64 gradcheck of the chunked PyTorch op (forward and recomputing backward) incl. tau and bias."""
+    from modeling_lazy import lazy_attention_torch as ops
+
+    bsz, heads, kv, tq, past, dim, window = 2, 2, 1, 4, 2, 4, 3
+    q = torch.randn(bsz, heads, tq, dim, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(bsz, kv, tq + past, dim, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(bsz, kv, tq + past, dim, dtype=torch.float64, requires_grad=True)
+    tau = (torch.rand(heads, dtype=torch.float64) - 0.5).requires_grad_()
+    bias = torch.randn(heads, window, dtype=torch.float64, requires_grad=True)
+    mask = torch.ones(bsz, tq + past, dtype=torch.long)
+    mask[1, :2] = 0
+    meta = ops.lazy_attention_metadata(mask, None, past, tq, bsz, q.device)
+    fn = lambda *x: ops.lazy_attention_torch(*x, *meta, dim**-0.5)  # noqa: E731
+    assert torch.autograd.gradcheck(fn, (q, k, v, tau, bias), eps=1e-6, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------- implementations and errors
+
+@pytest.mark.parametrize("refused", ["sdpa", "flash_attention_2", "flex_attention"])
+def test_softmax_only_implementations_are_refused(refused):
+    with pytest.raises(ValueError, match="Elastic-Softmax"):
+        LazyLlamaForCausalLM._from_config(tiny_config(), attn_implementation=refused)
+    model = tiny_model()
+    with pytest.raises(ValueError, match="Elastic-Softmax"):
+        model.set_attn_implementation(refused)
+
+
+def test_default_implementation_is_lazy_and_output_attentions_needs_eager(tmp_path):
+    model = tiny_model()
+    assert model.config._attn_implementation == "lazy"
+    ids = torch.randint(3, 97, (1, 10))
+    with pytest.raises(ValueError, match="eager"):
+        model(ids, output_attentions=True)
+    model.set_attn_implementation("eager")
+    out = model(ids, output_attentions=True)
+    assert len(out.attentions) == 2 and out.attentions[0].shape == (1, 4, 10, 10)
+    weights = out.attentions[0]
+    assert torch.all(weights >= 0) and torch.all(weights.triu(1) == 0)
+    assert (weights == 0).any()  # Elastic-Softmax gives exact zeros with tau < 0 heads
+
+
+def test_backend_environment_variable(monkeypatch):
+    model = tiny_model()
+    ids = torch.randint(3, 97, (1, 8))
+    monkeypatch.setenv("LAZY_ATTENTION_BACKEND", "torch")
+    base = model(ids).logits
+    monkeypatch.setenv("LAZY_ATTENTION_BACKEND", "bogus")
+    with pytest.raises(ValueError, match="LAZY_ATTENTION_BACKEND"):
+        model(ids)
+    monkeypatch.setenv("LAZY_ATTENTION_BACKEND", "auto")
+    assert torch.equal(model(ids).logits, base)
+
+
+def test_sequence_longer_than_supported_is_refused():
+    model = tiny_model(max_position_embeddings=16)
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        model(torch.randint(3, 97, (1, 17)))
+
+
+def test_four_dimensional_mask_is_refused():
+    model = tiny_model()
+    with pytest.raises(ValueError, match="2-D padding mask"):
+        model(torch.randint(3, 97, (1, 5)), attention_mask=torch.ones(1, 1, 5, 5))
+
+
+def test_auto_config_resolves_lazy_llama():
+    config = AutoConfig.for_model("lazy_llama", hidden_size=32, num_attention_heads=4)
+    assert isinstance(config, LazyLlamaConfig)
