@@ -82,8 +82,12 @@ def main(argv: list[str] | None = None) -> int:
     for tau in DEMO_TAUS:
         set_tau(model, tau)
         stats = attention_statistics(model, stats_ids)["mean"]
-        with tqdm(total=args.ppl_blocks, desc=f"  tau = {tau:+.1f} perplexity", unit="window") as bar:
-            ppl = perplexity(model, ppl_tokens, context=512, progress=lambda done, total: bar.update(1))
+        with tqdm(desc=f"  tau = {tau:+.1f} perplexity", unit="window") as bar:
+            def advance(done, total):
+                bar.total = total
+                bar.update(done - bar.n)
+
+            ppl = perplexity(model, ppl_tokens, context=512, progress=advance)
         rows.append((tau, stats, ppl["perplexity"]))
         if tau == 0.0:
             settings = json.loads((output / SETTINGS_FILE).read_text())
