@@ -63,6 +63,11 @@ def load_model(path: str, tau_init: float = 0.0, bias_init_std: float = 0.0, dty
     from modeling_lazy import LazyLlamaConfig, LazyLlamaForCausalLM
 
     config = LazyLlamaConfig.from_pretrained(path, lazy_tau_init=tau_init, lazy_bias_init_std=bias_init_std)
+    quantization = getattr(config, "quantization_config", None)
+    if isinstance(quantization, dict) and quantization.get("quant_method") == "gguf":
+        # A folder saved from a GGUF load keeps this note although its tensors are plain (dequantised) ones;
+        # left in place it makes Trainer refuse to train the model as "purely quantized".
+        del config.quantization_config
     model = LazyLlamaForCausalLM.from_pretrained(path, config=config, dtype=dtype)
     tokenizer = AutoTokenizer.from_pretrained(path)
     return model, tokenizer

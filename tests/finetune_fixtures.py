@@ -10,11 +10,11 @@ OBJECTS = ["the red ball", "a green tree", "the river", "a quiet house", "the lo
 
 
 def synthetic_documents(count: int, seed: int) -> list[str]:
-    """Documents of 3-12 templated sentences: easy to learn, so a few steps lower the loss."""
+    """Documents of 1-6 templated sentences: easy to learn, so a few steps lower the loss."""
     rng = random.Random(seed)
     docs = []
     for _ in range(count):
-        sentences = [f"{rng.choice(SUBJECTS)} {rng.choice(VERBS)} {rng.choice(OBJECTS)}." for _ in range(rng.randint(3, 12))]
+        sentences = [f"{rng.choice(SUBJECTS)} {rng.choice(VERBS)} {rng.choice(OBJECTS)}." for _ in range(rng.randint(1, 6))]
         docs.append(" ".join(sentences))
     return docs
 
