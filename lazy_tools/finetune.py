@@ -1,0 +1,392 @@
+"""Fine-tune a LazyLlama (or a Llama, converted on load) with `transformers.Trainer` and `datasets`.
+
+Command (every `transformers.TrainingArguments` option is accepted too, e.g. `--max_steps`, `--eval_strategy`,
+`--save_steps`, `--gradient_checkpointing`, `--resume_from_checkpoint last`):
+
+    lazy-finetune --model_name_or_path DIR --train_file train.txt --eval_file test.txt --output_dir out \
+        --mode lazy-only --lazy_lr_multiplier 10 --block_size 256 --max_steps 200
+
+Python recipe (what `main` does):
+
+    model, tokenizer = load_model(path)                       # Llama folders convert at tau = 0 (exact)
+    train = packed_dataset(load_documents(files), tokenizer, block_size=256)
+    model = configure_trainable(model, mode="lazy-only")      # or "full", or "lora" (PEFT)
+    trainer = build_trainer(model, training_args, train, eval_dataset, lazy_lr_multiplier=10.0)
+    trainer.train()
+
+Data: text files hold one document per blank-line-separated paragraph block (what `brown_text_file` writes);
+JSON-lines files hold one document per record (`--text_column`). Documents are tokenised, ended with EOS and
+packed by `lazy_tools.data.pack_token_blocks` into blocks whose `position_ids` restart at 0 at every document
+start; the model reads document boundaries from those restarts, so packed documents never see each other
+(SPEC section 1). Labels are the input ids, except that the first token of every document segment (position 0)
+is ignored (-100): it has no history inside its document, and predicting it from the previous document would
+train across the boundary that attention hides.
+
+Parameters: `tau` and `distance_bias` never get weight decay and may get their own learning rate
+(`lazy_lr_multiplier`). Modes: `full` trains everything; `lazy-only` trains only `tau` and `distance_bias`;
+`lora` adds PEFT LoRA adapters (the base model, `tau` and `distance_bias` included, stays frozen).
+"""
+
+import math
+import os
+import sys
+from dataclasses import dataclass, field
+
+import torch
+from transformers import Trainer, TrainerCallback, TrainingArguments
+
+from lazy_tools.data import pack_token_blocks
+from lazy_tools.metrics import attention_statistics
+
+LAZY_PARAMETER_NAMES = ("tau", "distance_bias")
+MODES = ("full", "lazy-only", "lora")
+DEFAULT_LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
+
+
+def is_lazy_parameter(name: str) -> bool:
+    """True for `...self_attn.tau` and `...self_attn.distance_bias` (also under a PEFT or DDP wrapper)."""
+    return name.rsplit(".", 1)[-1] in LAZY_PARAMETER_NAMES
+
+
+# --------------------------------------------------------------------------------------------- model
+
+
+def load_model(path: str, tau_init: float = 0.0, bias_init_std: float = 0.0, dtype=torch.float32):
+    """Load a LazyLlama or a plain Llama folder as `LazyLlamaForCausalLM`, plus its tokenizer.
+
+    A Llama checkpoint has no `tau`/`distance_bias`; they are initialised to `tau_init` and N(0, `bias_init_std`)
+    (defaults 0 and 0: the exact conversion, logits identical to the Llama's). A LazyLlama checkpoint keeps its
+    own values. Weights load in `dtype` (float32 by default; mixed precision is the Trainer's job).
+    """
+    from transformers import AutoTokenizer
+
+    from modeling_lazy import LazyLlamaConfig, LazyLlamaForCausalLM
+
+    config = LazyLlamaConfig.from_pretrained(path, lazy_tau_init=tau_init, lazy_bias_init_std=bias_init_std)
+    quantization = getattr(config, "quantization_config", None)
+    if isinstance(quantization, dict) and quantization.get("quant_method") == "gguf":
+        # A folder saved from a GGUF load keeps this note although its tensors are plain (dequantised) ones;
+        # left in place it makes Trainer refuse to train the model as "purely quantized".
+        del config.quantization_config
+    model = LazyLlamaForCausalLM.from_pretrained(path, config=config, dtype=dtype)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    return model, tokenizer
+
+
+def configure_trainable(model, mode: str = "full", lora_r: int = 8, lora_alpha: int = 16, lora_dropout: float = 0.0,
+                        lora_target_modules: list[str] | None = None):
+    """Set what trains. Returns the model to train (a `peft.PeftModel` for `mode="lora"`).
+
+    - `full`: every parameter.
+    - `lazy-only`: only `tau` and `distance_bias`; everything else is frozen (`requires_grad=False`).
+    - `lora`: LoRA adapters on `lora_target_modules` (default q/k/v/o projections) through PEFT; the base model,
+      `tau` and `distance_bias` included, is frozen (PEFT saves adapters only).
+    """
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if mode == "lora":
+        from peft import LoraConfig, get_peft_model
+
+        config = LoraConfig(r=lora_r, lora_alpha=lora_alpha, lora_dropout=lora_dropout, task_type="CAUSAL_LM",
+                            target_modules=list(lora_target_modules or DEFAULT_LORA_TARGETS))
+        return get_peft_model(model, config)
+    for name, param in model.named_parameters():
+        param.requires_grad_(mode == "full" or is_lazy_parameter(name))
+    if mode == "lazy-only":
+        # With everything before the first attention frozen, checkpointed layers would see inputs without grad.
+        model.enable_input_require_grads()
+    return model
+
+
+# ---------------------------------------------------------------------------------------------- data
+
+
+def load_documents(files: list[str], text_column: str = "text"):
+    """A `datasets.Dataset` with one document per row in column `text`.
+
+    `.json`/`.jsonl` files: one document per record, read from `text_column`. Any other file is text: documents
+    are separated by blank lines (`sample_by="paragraph"`), as in `lazy_tools.data.brown_text_file`.
+    """
+    from datasets import concatenate_datasets, load_dataset
+
+    if not files:
+        raise ValueError("no data files given")
+    json_files = [f for f in files if f.endswith((".json", ".jsonl"))]
+    text_files = [f for f in files if f not in json_files]
+    parts = []
+    if text_files:
+        parts.append(load_dataset("text", data_files=text_files, sample_by="paragraph", split="train"))
+    if json_files:
+        part = load_dataset("json", data_files=json_files, split="train")
+        if text_column not in part.column_names:
+            raise ValueError(f"JSON-lines files have no column {text_column!r} (columns: {part.column_names}); "
+                             "pass --text_column")
+        part = part.select_columns([text_column])
+        if text_column != "text":
+            part = part.rename_column(text_column, "text")
+        parts.append(part)
+    dataset = concatenate_datasets(parts) if len(parts) > 1 else parts[0]
+    return dataset.filter(lambda row: bool(row["text"].strip()))
+
+
+def packed_dataset(documents, tokenizer, block_size: int, docs_per_pack: int = 1000, num_proc: int | None = None):
+    """Tokenise documents (one per row of column `text`) and pack them into blocks of `block_size` tokens.
+
+    Returns a `datasets.Dataset` with `input_ids` and `position_ids` (lists of `block_size` ints). Every document
+    ends with EOS; positions restart at 0 per document (`pack_token_blocks`). Packing runs over groups of
+    `docs_per_pack` documents, each dropping its last partial block.
+    """
+    eos = tokenizer.eos_token_id
+
+    def tokenize(batch):
+        return {"ids": tokenizer(batch["text"], add_special_tokens=True)["input_ids"]}
+
+    def pack(batch):
+        try:
+            ids, pos = pack_token_blocks(batch["ids"], block_size, eos)
+        except ValueError:  # this group holds less than one block
+            return {"input_ids": [], "position_ids": []}
+        return {"input_ids": ids.tolist(), "position_ids": pos.tolist()}
+
+    tokens = documents.map(tokenize, batched=True, remove_columns=documents.column_names, num_proc=num_proc,
+                           desc="tokenising")
+    blocks = tokens.map(pack, batched=True, batch_size=docs_per_pack, remove_columns=["ids"], num_proc=num_proc,
+                        desc=f"packing into blocks of {block_size}")
+    if len(blocks) == 0:
+        raise ValueError(f"the data holds fewer than {block_size} tokens: no block to train on")
+    return blocks
+
+
+@dataclass
+class PackedBlockCollator:
+    """Stacks packed blocks into `input_ids`, `position_ids` and `labels` `[B, block_size]` int64.
+
+    `labels` are the input ids with -100 at every position 0 (the first token of each document segment), so no
+    loss term predicts one document from another. No `attention_mask`: blocks have no padding, and the model
+    derives document boundaries from `position_ids`.
+    """
+
+    def __call__(self, features):
+        input_ids = torch.tensor([f["input_ids"] for f in features], dtype=torch.long)
+        position_ids = torch.tensor([f["position_ids"] for f in features], dtype=torch.long)
+        labels = input_ids.masked_fill(position_ids == 0, -100)
+        return {"input_ids": input_ids, "position_ids": position_ids, "labels": labels}
+
+
+# ------------------------------------------------------------------------------------------- trainer
+
+
+class LazyTrainer(Trainer):
+    """`Trainer` whose optimizer keeps `tau` and `distance_bias` in their own group: weight decay 0 and learning
+    rate `learning_rate * lazy_lr_multiplier` (the scheduler scales every group alike)."""
+
+    def __init__(self, *args, lazy_lr_multiplier: float = 1.0, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.lazy_lr_multiplier = lazy_lr_multiplier
+
+    def get_decay_parameter_names(self, model) -> list[str]:
+        return [name for name in super().get_decay_parameter_names(model) if not is_lazy_parameter(name)]
+
+    def create_optimizer(self, model=None):
+        if self.optimizer is not None:
+            return self.optimizer
+        opt_model = self.model if model is None else model
+        decay_names = set(self.get_decay_parameter_names(opt_model))
+        groups = {"decay": [], "no_decay": [], "lazy": []}
+        for name, param in opt_model.named_parameters():
+            if not param.requires_grad:
+                continue
+            key = "lazy" if is_lazy_parameter(name) else "decay" if name in decay_names else "no_decay"
+            groups[key].append(param)
+        if self.optimizer_cls_and_kwargs is not None:
+            optimizer_cls, optimizer_kwargs = self.optimizer_cls_and_kwargs
+        else:
+            optimizer_cls, optimizer_kwargs = self.get_optimizer_cls_and_kwargs(self.args, opt_model)
+        optimizer_kwargs = dict(optimizer_kwargs)
+        lr = optimizer_kwargs.get("lr", self.args.learning_rate)
+        param_groups = [
+            {"params": groups["decay"], "weight_decay": self.args.weight_decay, "name": "decay"},
+            {"params": groups["no_decay"], "weight_decay": 0.0, "name": "no_decay"},
+            {"params": groups["lazy"], "weight_decay": 0.0, "lr": lr * self.lazy_lr_multiplier, "name": "lazy"},
+        ]
+        param_groups = [group for group in param_groups if group["params"]]
+        self.optimizer = optimizer_cls(param_groups, **optimizer_kwargs)
+        return self.optimizer
+
+
+class LazyAttentionCallback(TrainerCallback):
+    """Adds Lazy Attention statistics to every training log and to every evaluation's metrics.
+
+    On a fixed probe batch `[B, T]` of single-document token ids (`attention_statistics`, eager attention, the
+    model briefly in eval mode) it logs `lazy/sparsity`, `lazy/sink` (mean weight on the first key) and
+    `lazy/tau`, each as a mean and per layer (`lazy/sparsity/layer_00`, ...); evaluation keys carry the `eval_`
+    prefix, and `eval_perplexity = exp(eval_loss)` is added. Computed on the main process only.
+
+    It edits the logs in place, so it must run before the reporting callbacks: `build_trainer` puts it first.
+    """
+
+    def __init__(self, probe_ids: torch.Tensor, every_n_logs: int = 1):
+        self.probe_ids = probe_ids
+        self.every_n_logs = max(1, every_n_logs)
+        self._train_logs = 0
+
+    def statistics(self, model) -> dict[str, float]:
+        if hasattr(model, "get_base_model"):  # PEFT
+            model = model.get_base_model()
+        was_training = model.training
+        model.eval()
+        try:
+            stats = attention_statistics(model, self.probe_ids.to(next(model.parameters()).device))
+        finally:
+            model.train(was_training)
+        out = {f"lazy/{key}": stats["mean"][key] for key in ("sparsity", "sink", "tau")}
+        for index, layer in enumerate(stats["layers"]):
+            for key in ("sparsity", "sink", "tau"):
+                out[f"lazy/{key}/layer_{index:02d}"] = sum(layer[key]) / len(layer[key])
+        return out
+
+    def on_log(self, args, state, control, logs=None, model=None, **kwargs):
+        if logs is None or model is None or not state.is_world_process_zero:
+            return
+        if "eval_loss" in logs:
+            extra = {"eval_perplexity": math.exp(min(logs["eval_loss"], 50.0))}
+            extra.update({f"eval_{k}": v for k, v in self.statistics(model).items()})
+        elif "loss" in logs:
+            self._train_logs += 1
+            if (self._train_logs - 1) % self.every_n_logs:
+                return
+            extra = self.statistics(model)
+        else:
+            return
+        logs.update(extra)
+        if state.log_history and all(state.log_history[-1].get(k) == v for k, v in logs.items() if k not in extra):
+            state.log_history[-1].update(extra)  # Trainer.log stored a copy before calling us
+
+
+def probe_from_blocks(dataset, tokens: int = 256, rows: int = 2) -> torch.Tensor:
+    """Up to `rows` probe sequences `[rows, T]` for `LazyAttentionCallback`: each is the first `T <= tokens`
+    tokens of a packed block that belong to one document (position ids 0..T-1)."""
+    chosen, length = [], tokens
+    for index in range(min(len(dataset), 64)):
+        pos = dataset[index]["position_ids"]
+        run = 1
+        while run < min(tokens, len(pos)) and pos[run] == run:
+            run += 1
+        if run >= 2:
+            chosen.append(dataset[index]["input_ids"])
+            length = min(length, run)
+        if len(chosen) == rows:
+            break
+    if not chosen:
+        raise ValueError("no packed block starts with a document of at least 2 tokens")
+    return torch.tensor([ids[:length] for ids in chosen], dtype=torch.long)
+
+
+def build_trainer(model, training_args: TrainingArguments, train_dataset, eval_dataset=None,
+                  lazy_lr_multiplier: float = 1.0, probe_ids: torch.Tensor | None = None, stats_every_n_logs: int = 1,
+                  callbacks=None) -> LazyTrainer:
+    """A `LazyTrainer` on packed blocks with `PackedBlockCollator`, plus `LazyAttentionCallback` (first in line)
+    on `probe_ids` (default: a probe from the evaluation blocks, else the training blocks)."""
+    if probe_ids is None:
+        probe_ids = probe_from_blocks(eval_dataset if eval_dataset is not None else train_dataset)
+    trainer = LazyTrainer(
+        model=model,
+        args=training_args,
+        train_dataset=train_dataset,
+        eval_dataset=eval_dataset,
+        data_collator=PackedBlockCollator(),
+        callbacks=callbacks,
+        lazy_lr_multiplier=lazy_lr_multiplier,
+    )
+    trainer.callback_handler.callbacks.insert(0, LazyAttentionCallback(probe_ids, stats_every_n_logs))
+    return trainer
+
+
+# ------------------------------------------------------------------------------------------------ CLI
+
+
+@dataclass
+class FinetuneArguments:
+    """Options of `lazy-finetune` besides `transformers.TrainingArguments`."""
+
+    model_name_or_path: str = field(metadata={"help": "LazyLlama or Llama folder (a Llama converts on load)."})
+    train_file: list[str] = field(default_factory=list, metadata={"help": "Text or JSON-lines files."})
+    eval_file: list[str] = field(default_factory=list, metadata={"help": "Text or JSON-lines files."})
+    text_column: str = field(default="text", metadata={"help": "Document field of JSON-lines records."})
+    block_size: int = field(default=512, metadata={"help": "Tokens per packed block."})
+    max_train_blocks: int | None = field(default=None, metadata={"help": "Keep only the first N training blocks."})
+    max_eval_blocks: int | None = field(default=None, metadata={"help": "Keep only the first N evaluation blocks."})
+    mode: str = field(default="full", metadata={"help": "full | lazy-only | lora", "choices": list(MODES)})
+    lazy_lr_multiplier: float = field(default=1.0, metadata={"help": "Learning-rate factor for tau/distance_bias."})
+    tau_init: float = field(default=0.0, metadata={"help": "tau for a Llama input (0 = exact conversion)."})
+    bias_init_std: float = field(default=0.0, metadata={"help": "distance_bias std for a Llama input."})
+    lora_r: int = field(default=8, metadata={"help": "LoRA rank (mode lora)."})
+    lora_alpha: int = field(default=16, metadata={"help": "LoRA alpha (mode lora)."})
+    lora_dropout: float = field(default=0.0, metadata={"help": "LoRA dropout (mode lora)."})
+    lora_target_modules: list[str] = field(default_factory=lambda: list(DEFAULT_LORA_TARGETS),
+                                           metadata={"help": "Modules that get LoRA adapters (mode lora)."})
+    stats_tokens: int = field(default=256, metadata={"help": "Probe length of the attention-statistics callback."})
+    stats_every_n_logs: int = field(default=1, metadata={"help": "Attention statistics every N training logs."})
+    auto_bf16: bool = field(default=True, metadata={"help": "Train in bf16 on CUDA GPUs that support it."})
+
+
+def parse_args(argv=None):
+    from transformers import HfArgumentParser
+
+    parser = HfArgumentParser((FinetuneArguments, TrainingArguments))
+    args, training_args = parser.parse_args_into_dataclasses(args=argv)
+    if not args.train_file:
+        parser.error("--train_file is required")
+    if args.auto_bf16 and not (training_args.bf16 or training_args.fp16) and torch.cuda.is_available() \
+            and torch.cuda.is_bf16_supported():
+        training_args.bf16 = True
+    return args, training_args
+
+
+def finetune(args: FinetuneArguments, training_args: TrainingArguments) -> LazyTrainer:
+    """Everything `lazy-finetune` does: load, pack, train (resuming if asked), save, evaluate. Returns the trainer."""
+    from transformers.trainer_utils import get_last_checkpoint
+
+    model, tokenizer = load_model(args.model_name_or_path, args.tau_init, args.bias_init_std)
+    with training_args.main_process_first(desc="tokenising and packing"):
+        train = packed_dataset(load_documents(args.train_file, args.text_column), tokenizer, args.block_size)
+        evaluation = None
+        if args.eval_file:
+            evaluation = packed_dataset(load_documents(args.eval_file, args.text_column), tokenizer, args.block_size)
+    if args.max_train_blocks:
+        train = train.select(range(min(args.max_train_blocks, len(train))))
+    if evaluation is not None and args.max_eval_blocks:
+        evaluation = evaluation.select(range(min(args.max_eval_blocks, len(evaluation))))
+
+    model = configure_trainable(model, args.mode, args.lora_r, args.lora_alpha, args.lora_dropout,
+                                args.lora_target_modules)
+    probe = probe_from_blocks(evaluation if evaluation is not None else train, args.stats_tokens)
+    trainer = build_trainer(model, training_args, train, evaluation, args.lazy_lr_multiplier, probe,
+                            args.stats_every_n_logs)
+
+    resume = training_args.resume_from_checkpoint
+    if resume is not None and resume.lower() in ("last", "true"):
+        resume = get_last_checkpoint(training_args.output_dir)
+        if resume is None:
+            print(f"no checkpoint in {training_args.output_dir}: starting from scratch", file=sys.stderr)
+    trainer.train(resume_from_checkpoint=resume)
+    trainer.save_model()
+    trainer.save_state()
+    if trainer.is_world_process_zero():
+        tokenizer.save_pretrained(training_args.output_dir)
+    if evaluation is not None:
+        trainer.evaluate()
+        trainer.save_state()
+    return trainer
+
+
+def main(argv=None) -> None:
+    """Console script `lazy-finetune`: see the module docstring (`lazy-finetune --help` lists every option)."""
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    import modeling_lazy  # noqa: F401  (registers LazyLlama with the Auto classes)
+
+    finetune(*parse_args(argv))
+
+
+if __name__ == "__main__":
+    main()

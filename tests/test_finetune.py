@@ -1,0 +1,197 @@
+"""Fine-tuning with `transformers.Trainer` (`lazy_tools.finetune`) on a tiny LazyLlama: packing and labels, loss
+decrease, parameter groups, `lazy-only`, resume, PEFT LoRA, and a 2-process CPU DDP run (torchrun, gloo)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import TrainingArguments
+
+import modeling_lazy  # noqa: F401
+from finetune_fixtures import write_corpora, write_tiny_model
+from lazy_tools.finetune import (
+    LazyAttentionCallback,
+    PackedBlockCollator,
+    build_trainer,
+    configure_trainable,
+    is_lazy_parameter,
+    load_documents,
+    load_model,
+    packed_dataset,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+BLOCK = 64
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory):
+    root = tmp_path_factory.mktemp("finetune")
+    files = write_corpora(root / "data")
+    model_dir = write_tiny_model(root / "model")
+    _, tokenizer = load_model(str(model_dir))
+    train = packed_dataset(load_documents([str(files["train"])]), tokenizer, BLOCK)
+    evaluation = packed_dataset(load_documents([str(files["eval"])]), tokenizer, BLOCK)
+    return {"root": root, "files": files, "model_dir": model_dir, "train": train, "eval": evaluation}
+
+
+def training_args(output_dir, **overrides) -> TrainingArguments:
+    values = dict(output_dir=str(output_dir), per_device_train_batch_size=4, per_device_eval_batch_size=4,
+                  max_steps=6, learning_rate=3e-3, weight_decay=0.1, logging_steps=1, save_strategy="no",
+                  report_to="none", disable_tqdm=True, seed=0, use_cpu=True, dataloader_num_workers=0)
+    values.update(overrides)
+    return TrainingArguments(**values)
+
+
+def fresh_model(workspace):
+    return load_model(str(workspace["model_dir"]))[0]
+
+
+def lazy_params(model) -> dict[str, torch.Tensor]:
+    return {n: p for n, p in model.named_parameters() if is_lazy_parameter(n)}
+
+
+def test_packed_blocks_keep_documents_apart(workspace):
+    """Positions restart per document, labels ignore each document's first token, and the loss of a packed block
+    equals the loss of its documents scored one by one."""
+    model = fresh_model(workspace).eval()
+    batch = PackedBlockCollator()([workspace["train"][i] for i in range(2)])
+    pos, labels = batch["position_ids"], batch["labels"]
+    assert pos.shape == (2, BLOCK) and (pos[:, 0] == 0).all()
+    assert int((pos == 0).sum()) >= 4, "the blocks should hold document boundaries"
+    assert torch.equal(labels == -100, pos == 0)
+
+    with torch.no_grad():
+        packed = model(**batch).loss
+        nll, count = 0.0, 0
+        for row in range(2):
+            starts = (pos[row] == 0).nonzero().flatten().tolist() + [BLOCK]
+            for begin, end in zip(starts[:-1], starts[1:]):
+                if end - begin < 2:
+                    continue
+                ids = batch["input_ids"][row : row + 1, begin:end]
+                nll += model(input_ids=ids, labels=ids).loss.item() * (end - begin - 1)
+                count += end - begin - 1
+    torch.testing.assert_close(packed.item(), nll / count, rtol=1e-5, atol=1e-5)
+
+
+def test_full_mode_loss_decreases_with_lazy_param_group(workspace, tmp_path):
+    model = fresh_model(workspace)
+    args = training_args(tmp_path, max_steps=20, learning_rate=3e-3)
+    trainer = build_trainer(model, args, workspace["train"], lazy_lr_multiplier=5.0, stats_every_n_logs=10)
+    assert isinstance(trainer.callback_handler.callbacks[0], LazyAttentionCallback)
+
+    # tau and distance_bias get gradients.
+    batch = PackedBlockCollator()([workspace["train"][i] for i in range(4)])
+    model(**batch).loss.backward()
+    for name, param in lazy_params(model).items():
+        assert param.grad is not None and param.grad.abs().sum() > 0 and torch.isfinite(param.grad).all(), name
+    model.zero_grad(set_to_none=True)
+
+    trainer.train()
+    groups = {g["name"]: g for g in trainer.optimizer.param_groups}
+    lazy_ids = {id(p) for p in lazy_params(model).values()}
+    assert {id(p) for p in groups["lazy"]["params"]} == lazy_ids
+    assert groups["lazy"]["weight_decay"] == 0.0 and groups["decay"]["weight_decay"] == 0.1
+    assert groups["lazy"]["initial_lr"] == pytest.approx(5 * groups["decay"]["initial_lr"])
+    assert not lazy_ids & {id(p) for p in groups["decay"]["params"] + groups["no_decay"]["params"]}
+    assert not any(is_lazy_parameter(n) for n in trainer.get_decay_parameter_names(model))
+
+    losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
+    assert len(losses) == 20
+    assert sum(losses[-5:]) / 5 < losses[0] - 0.5, losses
+    logged = next(e for e in trainer.state.log_history if "loss" in e)
+    assert {"lazy/sparsity", "lazy/sink", "lazy/tau", "lazy/sparsity/layer_01", "lazy/tau/layer_00"} <= set(logged)
+
+
+def test_lazy_only_changes_nothing_else(workspace, tmp_path):
+    """Only tau and distance_bias move (with weight decay on and gradient checkpointing)."""
+    model = configure_trainable(fresh_model(workspace), "lazy-only")
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    args = training_args(tmp_path, max_steps=4, learning_rate=1e-2, gradient_checkpointing=True)
+    trainer = build_trainer(model, args, workspace["train"], workspace["eval"], lazy_lr_multiplier=2.0)
+    trainer.train()
+    assert [g["name"] for g in trainer.optimizer.param_groups] == ["lazy"]
+    for name, param in model.named_parameters():
+        if is_lazy_parameter(name):
+            assert not torch.equal(param, before[name]), f"{name} did not train"
+        else:
+            assert torch.equal(param, before[name]), f"{name} changed in lazy-only mode"
+    metrics = trainer.evaluate()
+    assert "eval_perplexity" in trainer.state.log_history[-1] and "eval_lazy/sparsity" in trainer.state.log_history[-1]
+    assert metrics["eval_loss"] > 0
+
+
+def test_resume_continues_from_saved_step(workspace, tmp_path):
+    common = dict(max_steps=6, save_strategy="steps", save_steps=3)
+    straight = build_trainer(fresh_model(workspace), training_args(tmp_path / "a", **common), workspace["train"])
+    straight.train()
+    assert (tmp_path / "a" / "checkpoint-3").is_dir()
+
+    resumed = build_trainer(fresh_model(workspace), training_args(tmp_path / "b", **common), workspace["train"])
+    resumed.train(resume_from_checkpoint=str(tmp_path / "a" / "checkpoint-3"))
+    steps = [e["step"] for e in resumed.state.log_history if "loss" in e]
+    assert steps[0] == 1 and steps[-3:] == [4, 5, 6]  # history up to step 3 comes from the checkpoint
+    assert resumed.state.global_step == 6
+    straight_losses = {e["step"]: e["loss"] for e in straight.state.log_history if "loss" in e}
+    for entry in resumed.state.log_history:
+        if "loss" in entry:
+            assert entry["loss"] == pytest.approx(straight_losses[entry["step"]], rel=1e-5)
+    for (name, a), b in zip(straight.model.named_parameters(), resumed.model.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_peft_lora_run(workspace, tmp_path):
+    pytest.importorskip("peft")
+    model = configure_trainable(fresh_model(workspace), "lora", lora_r=4, lora_alpha=8)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    trainer = build_trainer(model, training_args(tmp_path, max_steps=4, learning_rate=1e-2), workspace["train"])
+    trainer.train()
+    trained = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trained and all("lora_" in n for n in trained)
+    for name, param in model.named_parameters():
+        if name in trained and "lora_B" in name:  # lora_B starts at 0; it must move
+            assert not torch.equal(param, before[name]), f"{name} did not train"
+        elif name not in trained:
+            assert torch.equal(param, before[name]), f"frozen {name} changed"
+    assert all(e["loss"] == e["loss"] for e in trainer.state.log_history if "loss" in e)  # finite, not NaN
+    assert "lazy/sparsity" in next(e for e in trainer.state.log_history if "loss" in e)
+    trainer.save_model()
+    assert (tmp_path / "adapter_config.json").is_file()
+
+
+def _cli(workspace, output_dir, batch_per_device):
+    return ["-m", "lazy_tools.finetune", "--model_name_or_path", str(workspace["model_dir"]),
+            "--train_file", str(workspace["files"]["train"]), "--eval_file", str(workspace["files"]["eval"]),
+            "--output_dir", str(output_dir), "--block_size", str(BLOCK), "--max_train_blocks", "8",
+            "--max_eval_blocks", "4", "--per_device_train_batch_size", str(batch_per_device),
+            "--per_device_eval_batch_size", "2", "--max_steps", "1", "--logging_steps", "1", "--save_strategy", "no",
+            "--report_to", "none", "--disable_tqdm", "true", "--use_cpu", "true", "--seed", "0",
+            "--dataloader_num_workers", "0", "--lazy_lr_multiplier", "3", "--stats_tokens", "32"]
+
+
+def test_torchrun_two_process_gloo_matches_single_process(workspace, tmp_path):
+    """One step on a global batch of 8 blocks (the whole 8-block training set, so sampling order cannot matter):
+    torchrun with 2 CPU processes (gloo, 4 blocks each) gives the loss and the weights of one process."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    single, ddp = tmp_path / "single", tmp_path / "ddp"
+    subprocess.run([sys.executable, *_cli(workspace, single, 8)], cwd=ROOT, env=env, check=True, timeout=300,
+                   capture_output=True)
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29533",
+         *_cli(workspace, ddp, 4), "--ddp_backend", "gloo"],
+        cwd=ROOT, env=env, timeout=300, capture_output=True, text=True,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    states = [json.loads((d / "trainer_state.json").read_text()) for d in (single, ddp)]
+    losses = [next(e["loss"] for e in s["log_history"] if "loss" in e) for s in states]
+    assert losses[0] == pytest.approx(losses[1], rel=1e-5, abs=1e-6)
+    assert all("eval_perplexity" in s["log_history"][-1] for s in states)
+    weights = [load_file(str(d / "model.safetensors")) for d in (single, ddp)]
+    for name, tensor in weights[0].items():
+        torch.testing.assert_close(tensor, weights[1][name], rtol=1e-4, atol=1e-6, msg=name)
