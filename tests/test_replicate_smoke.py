@@ -1,0 +1,48 @@
+"""Smoke run of the replication study (lazy_tools/replicate.py): a few steps of all four variants at tiny sizes,
+so the script never rots. The real run and its numbers are in REPLICATION.md."""
+
+import json
+import math
+
+from lazy_tools import replicate
+
+TINY = ["--steps", "12", "--batch-size", "4", "--context", "32", "--hidden-size", "32", "--intermediate-size", "64",
+        "--layers", "2", "--heads", "2", "--lr", "3e-3", "--train-docs", "8", "--eval-docs", "2",
+        "--stats-blocks", "2", "--log-every", "4"]
+
+
+def test_replicate_smoke(tmp_path):
+    results = replicate.main(TINY + ["--out", str(tmp_path), "--no-plots"])
+
+    assert list(results["runs"]) == list(replicate.VARIANTS)
+    saved = json.loads((tmp_path / "results.json").read_text())
+    assert set(saved["runs"]) == set(replicate.VARIANTS)
+    table = (tmp_path / "table.md").read_text()
+    for variant in replicate.VARIANTS:
+        assert f"| {variant} |" in table
+
+    params = {name: run["parameters"] for name, run in results["runs"].items()}
+    extras = 2 * (2 + 2 * 32)  # per layer: tau [heads] + distance_bias [heads, window = context]
+    for name in ("lazy", "bias_only", "tau_only"):
+        assert params[name] == params["vanilla"] + extras  # same model up to the lazy extras
+
+    for name, run in results["runs"].items():
+        losses = run["losses"]
+        assert len(losses) == 12 and all(math.isfinite(x) for x in losses), name
+        assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3 - 0.05, (name, losses)  # it learns
+        ev = run["eval"]
+        for factor in replicate.EXTRAPOLATION:
+            assert math.isfinite(ev[f"ppl@{factor}x"]) and 1 < ev[f"ppl@{factor}x"] < 256 * 4, (name, ev)
+        mean = ev["attention"]["mean"]
+        assert 0 <= mean["sparsity"] <= 1 and 0 <= mean["sink"] <= 1
+
+    # The ablations are what they claim to be: frozen parameters did not move, the free ones did.
+    learned = {name: run["learned"] for name, run in results["runs"].items()}
+    assert learned["vanilla"] == {}
+    assert all(t == 0.0 for layer in learned["bias_only"]["tau"] for t in layer)
+    assert all(b == 0.0 for layer in learned["tau_only"]["distance_bias"] for head in layer for b in head)
+    assert any(t != -1.0 for layer in learned["tau_only"]["tau"] for t in layer)
+    assert any(t != -1.0 for layer in learned["lazy"]["tau"] for t in layer)
+    # Vanilla has no exact zeros; Elastic-Softmax with tau < 0 does.
+    assert results["runs"]["vanilla"]["eval"]["attention"]["mean"]["sparsity"] == 0.0
+    assert results["runs"]["lazy"]["eval"]["attention"]["mean"]["sparsity"] > 0.0
