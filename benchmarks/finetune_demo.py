@@ -4,7 +4,7 @@ Evaluates Brown-test perplexity (`lazy_tools.metrics.perplexity`, context 512) a
 (`attention_statistics`) on a fixed slice of Brown-test (the first `--eval_rows x --eval_context` tokens of
 `brown_text_file("test")`) before and after, prints a table and writes `summary.json` into the output folder.
 
-    python -m benchmarks.finetune_demo --output_dir .cache/finetune-demo --max_steps 40
+    python -m benchmarks.finetune_demo --output_dir .cache/finetune-demo --max_steps 24 --eval_rows 4
 
 Options after `--` go to `lazy-finetune` unchanged (they override the defaults below).
 """
@@ -42,8 +42,8 @@ def evaluate(model, tokens: torch.Tensor, rows: int, context: int, stats_rows_pe
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--output_dir", default=".cache/finetune-demo")
-    parser.add_argument("--max_steps", type=int, default=40)
-    parser.add_argument("--eval_rows", type=int, default=8)
+    parser.add_argument("--max_steps", type=int, default=24)
+    parser.add_argument("--eval_rows", type=int, default=4)
     parser.add_argument("--eval_context", type=int, default=512)
     args, extra = parser.parse_known_args(argv)
     extra = [a for a in extra if a != "--"]
