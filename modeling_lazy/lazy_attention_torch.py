@@ -142,15 +142,17 @@ def lazy_attention_reference(query, key, value, tau, distance_bias, q_pos, k_pos
 #   general (padding, packed documents): per-token segments and positions build an explicit mask.
 # ---------------------------------------------------------------------------------------------------
 
-_CHUNK_ELEMENTS = 1 << 20  # score elements (B * Hq * rows * keys) per chunk: ~4 MB of float32
-_MIN_ROWS, _MAX_ROWS = 16, 256
+_CHUNK_ELEMENTS = 1 << 20  # score elements (B * Hq * rows * keys) per chunk and thread: ~4 MB of float32
+_MIN_ROWS = 16
 
 
 def _chunk_rows(bsz: int, num_heads: int, q_len: int, k_len: int) -> int:
-    """Query rows per chunk: bounded by the score buffer size, and small enough that the wasted upper
-    triangle of the diagonal block stays a few percent of the work."""
-    rows = _CHUNK_ELEMENTS // max(1, bsz * num_heads * k_len)
-    return int(min(q_len, _MAX_ROWS, max(_MIN_ROWS, rows)))
+    """Query rows per chunk. Every op of a chunk is one parallel region whose start-up cost grows with the
+    thread count, so the score buffer grows with the threads; it never depends on L beyond `rows * k_len`,
+    so extra memory stays linear in L."""
+    budget = _CHUNK_ELEMENTS * max(1, torch.get_num_threads())
+    rows = budget // max(1, bsz * num_heads * k_len)
+    return int(min(q_len, max(_MIN_ROWS, rows)))
 
 
 _causal_memo: tuple = ()
@@ -215,33 +217,14 @@ def _diagonal_sums(d_s: torch.Tensor, k_lo: int, width: int) -> torch.Tensor:
     return diagonals.sum(dim=(0, 2)).flip(-1)
 
 
-class _CausalChunk:
-    """Weights of one query chunk in the causal layout; forward and backward recompute them identically.
+class _Workspace:
+    """Flat buffers reused by every chunk of one call: fresh multi-MB tensors page-fault on every chunk."""
 
-    `probs`/`weights` are `[B, Hq, rows, k_end]` with `weights = relu(probs + tau_h / n_i)`, future keys 0.
-    """
+    def __init__(self, count: int, numel: int, dtype, device):
+        self.buffers = [torch.empty(numel, dtype=dtype, device=device) for _ in range(count)]
 
-    def __init__(self, q, k, tau, q_pos, band, width, start, stop, offset, tau_mode):
-        bsz, kv_heads, groups, _, dim = q.shape  # q is already scaled by `scaling`
-        rows = stop - start
-        i0 = start + offset  # key index of the chunk's first row
-        self.k_end = i0 + rows
-        self.k_lo = i0 - width + 1  # first key of the band (may be negative)
-        self.q = q[:, :, :, start:stop].reshape(bsz, kv_heads, groups * rows, dim)
-        self.k = k[:, :, : self.k_end]
-        scores = torch.matmul(self.q, self.k.transpose(2, 3)).view(bsz, kv_heads * groups, rows, self.k_end)
-        lo = max(0, self.k_lo)
-        scores[..., lo:].add_(band[:, :rows, lo - self.k_lo : rows + width - 1])
-        self.probs = torch.softmax(scores, dim=-1)
-        self.inv_n = 1.0 / (q_pos[:, start:stop] + 1).to(q.dtype)[:, None, :, None]  # [B, 1, rows, 1]
-        if tau_mode == "zero":
-            self.weights = self.probs
-        else:
-            self.weights = torch.add(self.probs, tau.to(q.dtype)[None, :, None, None] * self.inv_n).clamp_min_(0)
-            if tau_mode == "positive":  # p = 0 on future keys, but p + tau/n > 0 there: mask them again
-                diag = self.weights[..., i0 : self.k_end]
-                diag.masked_fill_(torch.ones(rows, rows, dtype=torch.bool, device=q.device).triu_(1), 0.0)
-        self.shape = (bsz, kv_heads, groups, rows)
+    def view(self, index: int, *shape: int) -> torch.Tensor:
+        return self.buffers[index][: math.prod(shape)].view(shape)
 
 
 def _tau_mode(tau: torch.Tensor) -> str:
@@ -252,17 +235,58 @@ def _tau_mode(tau: torch.Tensor) -> str:
     return "negative" if high <= 0.0 else "positive"
 
 
+class _CausalChunk:
+    """Scores and softmax of one query chunk in the causal layout (buffers 0: scores, 1: probs).
+
+    Forward and backward run the identical ops, so `probs` and the ReLU mask agree bitwise.
+    """
+
+    def __init__(self, q, k, band, width, start, stop, offset, workspace):
+        bsz, kv_heads, groups, _, dim = q.shape  # q is already scaled by `scaling`
+        self.rows = rows = stop - start
+        self.i0 = start + offset  # key index of the chunk's first row
+        self.k_end = self.i0 + rows
+        self.k_lo = self.i0 - width + 1  # first key of the band (may be negative)
+        self.q = q[:, :, :, start:stop].reshape(bsz, kv_heads, groups * rows, dim)
+        self.k = k[:, :, : self.k_end]
+        shape = (bsz, kv_heads * groups, rows, self.k_end)
+        scores = workspace.view(0, bsz, kv_heads, groups * rows, self.k_end)
+        torch.matmul(self.q, self.k.transpose(2, 3), out=scores)
+        scores = scores.view(shape)
+        lo = max(0, self.k_lo)
+        scores[..., lo:].add_(band[:, :rows, lo - self.k_lo : rows + width - 1])
+        self.probs = torch.softmax(scores, dim=-1, out=workspace.view(1, *shape))
+
+    def relu_shift(self, shift: torch.Tensor, mode: str, out: torch.Tensor) -> torch.Tensor:
+        """`out = max(0, probs + shift)` (out may be probs itself), future keys forced to 0."""
+        weights = torch.add(self.probs, shift, out=out).clamp_min_(0.0)
+        if mode == "positive":  # p = 0 on future keys, but p + tau/n > 0 there
+            future = torch.ones(self.rows, self.rows, dtype=torch.bool, device=weights.device).triu_(1)
+            weights[..., self.i0 : self.k_end].masked_fill_(future, 0.0)
+        return weights
+
+
+def _tau_shift(tau, q_pos, start, stop, dtype):
+    """`[B, Hq, rows, 1]` = tau_h / n_i for the chunk's rows."""
+    inv_n = 1.0 / (q_pos[:, start:stop] + 1).to(dtype)[:, None, :, None]
+    return tau.to(dtype)[None, :, None, None] * inv_n, inv_n
+
+
 def _causal_forward(q, k, v, tau, distance_bias, q_pos, offset, out):
     bsz, kv_heads, groups, q_len, dim = q.shape
     k_len = k.shape[2]
     step = _chunk_rows(bsz, kv_heads * groups, q_len, k_len)
     band, width = _band_table(distance_bias, step, k_len, q.dtype)
     mode = _tau_mode(tau)
+    workspace = _Workspace(2, bsz * kv_heads * groups * step * k_len, q.dtype, q.device)
     for start in range(0, q_len, step):
         stop = min(q_len, start + step)
-        c = _CausalChunk(q, k, tau, q_pos, band, width, start, stop, offset, mode)
-        w = c.weights.view(bsz, kv_heads, groups * (stop - start), c.k_end)
-        o = torch.matmul(w, v[:, :, : c.k_end]).view(bsz, kv_heads * groups, stop - start, dim)
+        c = _CausalChunk(q, k, band, width, start, stop, offset, workspace)
+        weights = c.probs
+        if mode != "zero":
+            c.relu_shift(_tau_shift(tau, q_pos, start, stop, q.dtype)[0], mode, out=weights)
+        w = weights.view(bsz, kv_heads, groups * c.rows, c.k_end)
+        o = torch.matmul(w, v[:, :, : c.k_end]).view(bsz, kv_heads * groups, c.rows, dim)
         out[:, start:stop] = o.transpose(1, 2)
 
 
@@ -273,22 +297,27 @@ def _causal_backward(q, k, v, tau, distance_bias, q_pos, offset, d_out, dq, dk, 
     step = _chunk_rows(bsz, num_heads, q_len, k_len)
     band, width = _band_table(distance_bias, step, k_len, q.dtype)
     mode = _tau_mode(tau)
+    workspace = _Workspace(3, bsz * num_heads * step * k_len, q.dtype, q.device)
     for start in range(0, q_len, step):
         stop = min(q_len, start + step)
-        rows = stop - start
-        c = _CausalChunk(q, k, tau, q_pos, band, width, start, stop, offset, mode)
+        c = _CausalChunk(q, k, band, width, start, stop, offset, workspace)
+        rows, k_end = c.rows, c.k_end
+        shift, inv_n = _tau_shift(tau, q_pos, start, stop, q.dtype)
+        p = c.probs
+        free = workspace.view(0, *p.shape)  # the scores buffer is free after the softmax
+        weights = p if mode == "zero" else c.relu_shift(shift, mode, out=free)
         do = d_out[:, :, :, start:stop].reshape(bsz, kv_heads, groups * rows, dim)
-        v_c = v[:, :, : c.k_end]
-        d_p = torch.matmul(do, v_c.transpose(2, 3)).view(bsz, num_heads, rows, c.k_end)
-        md_p = d_p.masked_fill_(c.weights <= 0, 0.0)  # m_ij * dP_ij
-        d_tau += (md_p.sum(-1, keepdim=True) * c.inv_n).sum(dim=(0, 2, 3))
-        d_s = md_p.mul_(c.probs)
-        d_s.addcmul_(c.probs, d_s.sum(-1, keepdim=True), value=-1.0)  # p * (m dP - Delta)
-        d_s_kv = d_s.view(bsz, kv_heads, groups * rows, c.k_end)
+        dv[:, :, :k_end] += torch.matmul(weights.view(bsz, kv_heads, groups * rows, k_end).transpose(2, 3), do)
+        alive = torch.sign(weights, out=free)  # m_ij: 1 where a_ij > 0 (weights >= 0)
+        d_p = workspace.view(2, bsz, kv_heads, groups * rows, k_end)
+        torch.matmul(do, v[:, :, :k_end].transpose(2, 3), out=d_p)
+        md_p = d_p.view(p.shape).mul_(alive)  # m_ij * dP_ij
+        d_tau += (md_p.sum(-1, keepdim=True) * inv_n).sum(dim=(0, 2, 3))
+        d_s = md_p.mul_(p)
+        d_s.addcmul_(p, d_s.sum(-1, keepdim=True), value=-1.0)  # p * (m dP - Delta), Delta = sum_j p m dP
+        d_s_kv = d_s.view(bsz, kv_heads, groups * rows, k_end)
         dq[:, :, :, start:stop] = torch.matmul(d_s_kv, c.k).view(bsz, kv_heads, groups, rows, dim)
-        dk[:, :, : c.k_end] += torch.matmul(d_s_kv.transpose(2, 3), c.q)
-        w = c.weights.view(bsz, kv_heads, groups * rows, c.k_end)
-        dv[:, :, : c.k_end] += torch.matmul(w.transpose(2, 3), do)
+        dk[:, :, :k_end] += torch.matmul(d_s_kv.transpose(2, 3), c.q)
         d_bias[:, :width] += _diagonal_sums(d_s, c.k_lo, width)
 
 
