@@ -28,7 +28,9 @@ from modeling_lazy.lazy_attention_torch import lazy_attention_metadata, lazy_att
 SIZES = {
     "full": dict(attn_lengths=[256, 1024, 2048, 4096], heads=8, dim=64, rounds=5,
                  memory_lengths=[1024, 2048, 4096, 8192, 16384],
-                 model=dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                 # SmolLM2-135M's widths, heads and vocabulary with 6 of its 30 layers (ratios are per layer;
+                 # 30 layers would make the full run take over an hour on 2 cores)
+                 model=dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=6,
                             num_attention_heads=9, num_key_value_heads=3, tie_word_embeddings=True),
                  prefill=[128, 512, 2048], prompts=[128, 1024], new_tokens=64, train=[512, 2048]),
     "smoke": dict(attn_lengths=[64, 256], heads=4, dim=32, rounds=3, memory_lengths=[256, 1024],
