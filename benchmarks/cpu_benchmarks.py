@@ -99,7 +99,7 @@ def bench_attention(size):
 
 
 MEMORY_SCRIPT = textwrap.dedent("""
-    import json, resource, sys, torch, torch.nn.functional as F
+    import json, sys, torch, torch.nn.functional as F
     from modeling_lazy.lazy_attention_torch import lazy_attention_metadata, lazy_attention_torch
     kind, length, heads, dim = sys.argv[1], int(sys.argv[2]), 4, 64
     q, k, v = (torch.randn(1, heads, length, dim, requires_grad=True) for _ in range(3))
@@ -107,9 +107,13 @@ MEMORY_SCRIPT = textwrap.dedent("""
     meta = lazy_attention_metadata(None, None, 0, length, 1, q.device)
     run = {"lazy": lambda: lazy_attention_torch(q, k, v, tau, bias, *meta, dim ** -0.5),
            "sdpa": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True)}[kind]
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    def status(key):  # KiB, from /proc/self/status
+        return next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith(key + ":"))
+    with open("/proc/self/clear_refs", "w") as handle:  # reset the peak (VmHWM) to the current resident set
+        handle.write("5")
+    before = status("VmRSS")
     run().sum().backward()
-    print(json.dumps((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024))
+    print(json.dumps((status("VmHWM") - before) / 1024))
 """)
 
 
