@@ -185,55 +185,12 @@ def _out_pass(q, q_pos, q_seg, q_key_idx, lse, threshold, K, V, stride_kt, strid
 
 
 @triton.jit
-def _lazy_fwd_kernel(Q, K, V, TAU, BIAS, QPOS, KPOS, QSEG, KSEG, OUT, LSE, STATS,
-                     stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt,
-                     stride_vb, stride_vh, stride_vt, stride_ob, stride_oh, stride_ot,
-                     Hq, Tq, Tk, W, GROUPS, scaling,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, D: tl.constexpr,
-                     SKIP: tl.constexpr, WITH_STATS: tl.constexpr, UPCAST: tl.constexpr,
-                     PRECISION: tl.constexpr):
-    """One query tile of one query head: pass 1 (LSE), pass 2 (output). Grid: (cdiv(Tq, BM), B * Hq)."""
-    pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    b = (pid_bh // Hq).to(tl.int64)
-    h = pid_bh % Hq
-    hk = (h // GROUPS).to(tl.int64)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    row_mask = rows < Tq
-    q = tl.load(Q + b * stride_qb + h.to(tl.int64) * stride_qh + rows[:, None] * stride_qt + offs_d[None, :],
-                mask=row_mask[:, None] & (offs_d[None, :] < D), other=0.0)
-    q_pos = tl.load(QPOS + b * Tq + rows, mask=row_mask, other=0)
-    q_seg = tl.load(QSEG + b * Tq + rows, mask=row_mask, other=-4)
-    offset = Tk - Tq
-    q_key_idx = rows + offset
-    K_ = K + b * stride_kb + hk * stride_kh
-    V_ = V + b * stride_vb + hk * stride_vh
-    KPOS_ = KPOS + b * Tk
-    KSEG_ = KSEG + b * Tk
-    bias_row = BIAS + h * W
-    hi = tl.minimum(Tk, (pid_m + 1) * BLOCK_M + offset)  # keys past the tile's last row are never visible
-
-    m_i, l_i = _lse_pass(q, q_pos, q_seg, q_key_idx, K_, stride_kt, KPOS_, KSEG_, bias_row, 0, hi, Tk, W,
-                         scaling, BLOCK_M, BLOCK_N, BLOCK_D, D, UPCAST, PRECISION)
-    lse = tl.where(l_i > 0.0, m_i + tl.log(tl.where(l_i > 0.0, l_i, 1.0)), 0.0)  # a row that sees nothing gets p = 0 everywhere
-    threshold = tl.load(TAU + h) / (q_pos + 1).to(tl.float32)
-    acc, visited, visible_tiles = _out_pass(q, q_pos, q_seg, q_key_idx, lse, threshold, K_, V_, stride_kt,
-                                            stride_vt, KPOS_, KSEG_, bias_row, 0, hi, Tk, W, scaling,
-                                            BLOCK_M, BLOCK_N, BLOCK_D, D, SKIP, UPCAST, PRECISION)
-    out_ptrs = OUT + b * stride_ob + h.to(tl.int64) * stride_oh + rows[:, None] * stride_ot + offs_d[None, :]
-    tl.store(out_ptrs, acc.to(OUT.dtype.element_ty), mask=row_mask[:, None] & (offs_d[None, :] < D))
-    tl.store(LSE + pid_bh.to(tl.int64) * Tq + rows, lse, mask=row_mask)
-    if WITH_STATS:
-        stats = STATS + (pid_bh * tl.num_programs(0) + pid_m) * 2
-        tl.store(stats, visited)
-        tl.store(stats + 1, visible_tiles)
-
-
-@triton.jit
-def _split_setup(Q, QPOS, QSEG, stride_qb, stride_qh, stride_qt, Hq, Tq, Tk, GROUPS, KEYS_PER_SPLIT,
+def _query_tile_setup(Q, QPOS, QSEG, stride_qb, stride_qh, stride_qt, Hq, Tq, Tk, GROUPS, KEYS_PER_SPLIT,
                  BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, D: tl.constexpr):
-    """Shared prologue of the two split-K kernels. Grid: (cdiv(Tq, BM), B * Hq, splits)."""
+    """Shared prologue of the forward and split-K kernels: one query tile of one head, its keys [lo, hi).
+
+    Grid: (cdiv(Tq, BM), B * Hq[, splits]); `hi` stops at the tile's causal limit (later keys are never visible).
+    """
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     split = tl.program_id(2)
@@ -254,13 +211,48 @@ def _split_setup(Q, QPOS, QSEG, stride_qb, stride_qh, stride_qt, Hq, Tq, Tk, GRO
 
 
 @triton.jit
+def _lazy_fwd_kernel(Q, K, V, TAU, BIAS, QPOS, KPOS, QSEG, KSEG, OUT, LSE, STATS,
+                     stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt,
+                     stride_vb, stride_vh, stride_vt, stride_ob, stride_oh, stride_ot,
+                     Hq, Tq, Tk, W, GROUPS, scaling,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, D: tl.constexpr,
+                     SKIP: tl.constexpr, WITH_STATS: tl.constexpr, UPCAST: tl.constexpr,
+                     PRECISION: tl.constexpr):
+    """One query tile of one query head: pass 1 (LSE), pass 2 (output). Grid: (cdiv(Tq, BM), B * Hq)."""
+    # One "split" covering every key: lo = 0, hi = the tile's causal limit.
+    pid_m, pid_bh, _, b, h, hk, rows, row_mask, q, q_pos, q_seg, q_key_idx, _, hi = _query_tile_setup(
+        Q, QPOS, QSEG, stride_qb, stride_qh, stride_qt, Hq, Tq, Tk, GROUPS, Tk, BLOCK_M, BLOCK_D, D)
+    offs_d = tl.arange(0, BLOCK_D)
+    K_ = K + b * stride_kb + hk * stride_kh
+    V_ = V + b * stride_vb + hk * stride_vh
+    KPOS_ = KPOS + b * Tk
+    KSEG_ = KSEG + b * Tk
+    bias_row = BIAS + h * W
+
+    m_i, l_i = _lse_pass(q, q_pos, q_seg, q_key_idx, K_, stride_kt, KPOS_, KSEG_, bias_row, 0, hi, Tk, W,
+                         scaling, BLOCK_M, BLOCK_N, BLOCK_D, D, UPCAST, PRECISION)
+    lse = tl.where(l_i > 0.0, m_i + tl.log(tl.where(l_i > 0.0, l_i, 1.0)), 0.0)  # a row that sees nothing gets p = 0 everywhere
+    threshold = tl.load(TAU + h) / (q_pos + 1).to(tl.float32)
+    acc, visited, visible_tiles = _out_pass(q, q_pos, q_seg, q_key_idx, lse, threshold, K_, V_, stride_kt,
+                                            stride_vt, KPOS_, KSEG_, bias_row, 0, hi, Tk, W, scaling,
+                                            BLOCK_M, BLOCK_N, BLOCK_D, D, SKIP, UPCAST, PRECISION)
+    out_ptrs = OUT + b * stride_ob + h.to(tl.int64) * stride_oh + rows[:, None] * stride_ot + offs_d[None, :]
+    tl.store(out_ptrs, acc.to(OUT.dtype.element_ty), mask=row_mask[:, None] & (offs_d[None, :] < D))
+    tl.store(LSE + pid_bh.to(tl.int64) * Tq + rows, lse, mask=row_mask)
+    if WITH_STATS:
+        stats = STATS + (pid_bh * tl.num_programs(0) + pid_m) * 2
+        tl.store(stats, visited)
+        tl.store(stats + 1, visible_tiles)
+
+
+@triton.jit
 def _lazy_fwd_split_lse_kernel(Q, K, BIAS, QPOS, KPOS, QSEG, KSEG, M_PART, L_PART,
                                stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt,
                                Hq, Tq, Tk, W, GROUPS, KEYS_PER_SPLIT, scaling,
                                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                                D: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
     """Split-K pass 1: partial row max / sum of exp for one slice of keys -> M_PART, L_PART [S, B*Hq, Tq]."""
-    pid_m, pid_bh, split, b, h, hk, rows, row_mask, q, q_pos, q_seg, q_key_idx, lo, hi = _split_setup(
+    pid_m, pid_bh, split, b, h, hk, rows, row_mask, q, q_pos, q_seg, q_key_idx, lo, hi = _query_tile_setup(
         Q, QPOS, QSEG, stride_qb, stride_qh, stride_qt, Hq, Tq, Tk, GROUPS, KEYS_PER_SPLIT, BLOCK_M, BLOCK_D, D)
     m_i, l_i = _lse_pass(q, q_pos, q_seg, q_key_idx, K + b * stride_kb + hk * stride_kh, stride_kt,
                          KPOS + b * Tk, KSEG + b * Tk, BIAS + h * W, lo, hi, Tk, W, scaling,
@@ -279,7 +271,7 @@ def _lazy_fwd_split_out_kernel(Q, K, V, TAU, BIAS, QPOS, KPOS, QSEG, KSEG, LSE, 
                                D: tl.constexpr, SKIP: tl.constexpr, WITH_STATS: tl.constexpr,
                                UPCAST: tl.constexpr, PRECISION: tl.constexpr):
     """Split-K pass 2: partial float32 output of one key slice -> O_PART [S, B, Tq, Hq, D] (summed after)."""
-    pid_m, pid_bh, split, b, h, hk, rows, row_mask, q, q_pos, q_seg, q_key_idx, lo, hi = _split_setup(
+    pid_m, pid_bh, split, b, h, hk, rows, row_mask, q, q_pos, q_seg, q_key_idx, lo, hi = _query_tile_setup(
         Q, QPOS, QSEG, stride_qb, stride_qh, stride_qt, Hq, Tq, Tk, GROUPS, KEYS_PER_SPLIT, BLOCK_M, BLOCK_D, D)
     lse = tl.load(LSE + pid_bh.to(tl.int64) * Tq + rows, mask=row_mask, other=0.0)
     threshold = tl.load(TAU + h) / (q_pos + 1).to(tl.float32)
