@@ -4,10 +4,25 @@ from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
 from configuration_lazy import LazyLlamaConfig
 
-from .modeling_lazy import LazyLlamaForCausalLM, LazyLlamaModel, LazyLlamaPreTrainedModel
+from .modeling_lazy import (
+    LAZY_PARAMETER_NAMES,
+    LazyLlamaForCausalLM,
+    LazyLlamaModel,
+    LazyLlamaPreTrainedModel,
+    is_lazy_parameter,
+    lazy_attention_modules,
+)
 
 AutoConfig.register(LazyLlamaConfig.model_type, LazyLlamaConfig, exist_ok=True)
 AutoModel.register(LazyLlamaConfig, LazyLlamaModel, exist_ok=True)
 AutoModelForCausalLM.register(LazyLlamaConfig, LazyLlamaForCausalLM, exist_ok=True)
 
-__all__ = ["LazyLlamaConfig", "LazyLlamaForCausalLM", "LazyLlamaModel", "LazyLlamaPreTrainedModel"]
+__all__ = [
+    "LAZY_PARAMETER_NAMES",
+    "LazyLlamaConfig",
+    "LazyLlamaForCausalLM",
+    "LazyLlamaModel",
+    "LazyLlamaPreTrainedModel",
+    "is_lazy_parameter",
+    "lazy_attention_modules",
+]

@@ -43,6 +43,8 @@ except ImportError:  # triton not installed (CPU-only or Hub users): the PyTorch
 
 
 BACKEND_ENV = "LAZY_ATTENTION_BACKEND"
+# The two parameters Lazy Attention adds to every attention layer (float32, one entry per query head).
+LAZY_PARAMETER_NAMES = ("tau", "distance_bias")
 REFUSED_IMPLEMENTATIONS = ("sdpa", "flash_attention_2", "flash_attention_3", "flash_attention_4", "flex_attention")
 
 
@@ -190,6 +192,16 @@ class LazyLlamaAttention(nn.Module):
         return attn_output, attn_weights
 
 
+def is_lazy_parameter(name: str) -> bool:
+    """True for a parameter Lazy Attention adds (`...self_attn.tau`, `...self_attn.distance_bias`)."""
+    return name.rsplit(".", 1)[-1] in LAZY_PARAMETER_NAMES
+
+
+def lazy_attention_modules(model: nn.Module) -> list["LazyLlamaAttention"]:
+    """The Lazy Attention layers of a model, in layer order (works through wrappers such as PEFT or DDP)."""
+    return [module for module in model.modules() if isinstance(module, LazyLlamaAttention)]
+
+
 def _refusal_message(implementation: str) -> str:
     return (
         f'attn_implementation="{implementation}" cannot express Elastic-Softmax (ReLU(softmax + tau/n) with a '
@@ -262,7 +274,7 @@ class LazyLlamaPreTrainedModel(PreTrainedModel):
     _supports_flex_attn = False
     _supports_attention_backend = False
     _can_compile_fullgraph = False
-    _keep_in_fp32_modules_strict = ["tau", "distance_bias"]
+    _keep_in_fp32_modules_strict = list(LAZY_PARAMETER_NAMES)
     _can_record_outputs = {
         "hidden_states": LazyLlamaDecoderLayer,
         "attentions": LazyLlamaAttention,
