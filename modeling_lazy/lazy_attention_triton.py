@@ -1,12 +1,12 @@
 """Lazy Attention as Triton kernels: two-pass forward, split-K decode, exact backward.
 
-Math (SPEC sections 1 and 2), per query head h, query i, key j, for visible (i, j):
+Math (docs/design.md), per query head h, query i, key j, for visible (i, j):
 
     s_ij = scaling * <q_i, k_j> + beta_h(pos_i - pos_j)      p_ij = exp(s_ij - LSE_i)
     a_ij = max(0, p_ij + tau_h / n_i)   (float32 test)        o_i  = sum_j a_ij v_j     (no renormalisation)
     m_ij = 1[a_ij > 0],  dP_ij = dO_i . v_j,  Delta_i = sum_j m_ij p_ij dP_ij,  dS_ij = p_ij (m_ij dP_ij - Delta_i)
 
-Visibility comes only from the per-token metadata of `lazy_attention_torch` (no L x L mask):
+Visibility comes only from the per-token `LazyMetadata` of `lazy_attention_reference` (no L x L mask):
 query i sees key j  <=>  q_seg[i] == k_seg[j]  and  j <= i + Tk - Tq;  n_i = q_pos[i] + 1;
 distance = q_pos[i] - k_pos[j], biased only for 0 <= distance < W.
 
@@ -44,6 +44,8 @@ except ImportError as error:  # modeling_lazy catches this and serves every devi
     ) from error
 
 import torch
+
+from .lazy_attention_reference import LazyMetadata
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -605,9 +607,11 @@ def _backward(grad_out, query, key, value, tau, distance_bias, q_pos, k_pos, q_s
     return dq, dk, dv, dtau_part.sum(dim=(0, 2)), dbias_part.sum(dim=(0, 2))
 
 
-def _metadata(q_pos, k_pos, q_seg, k_seg):
-    """int32 contiguous copies of the per-token metadata (what the kernels read)."""
-    return tuple(x.to(torch.int32).contiguous() for x in (q_pos, k_pos, q_seg, k_seg))
+def _kernel_inputs(key, value, metadata: LazyMetadata):
+    """`(key, value, (q_pos, k_pos, q_seg, k_seg) int32)`: keys cut to the metadata (a static cache hands over
+    a longer buffer) and the per-token metadata the kernels read."""
+    k_len = metadata.key_length
+    return key[:, :, :k_len], value[:, :, :k_len], (metadata.q_pos32, metadata.k_pos32, metadata.q_seg, metadata.k_seg)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -616,47 +620,51 @@ def _metadata(q_pos, k_pos, q_seg, k_seg):
 
 
 class LazyAttentionTritonFunction(torch.autograd.Function):
-    """Fused Lazy Attention; saves q, k, v, the metadata and the row log-sum-exp (float32) for backward."""
+    """Fused Lazy Attention; saves q, k, v and the row log-sum-exp (float32) for backward."""
 
     @staticmethod
-    def forward(ctx, query, key, value, tau, distance_bias, q_pos, k_pos, q_seg, k_seg, scaling):
-        metadata = _metadata(q_pos, k_pos, q_seg, k_seg)
-        out, lse, _ = _forward(query, key, value, tau, distance_bias, *metadata, scaling)
-        ctx.save_for_backward(query, key, value, tau, distance_bias, *metadata, lse)
-        ctx.scaling = scaling
+    def forward(ctx, query, key, value, tau, distance_bias, metadata: LazyMetadata, scaling):
+        key_used, value_used, positions = _kernel_inputs(key, value, metadata)
+        out, lse, _ = _forward(query, key_used, value_used, tau, distance_bias, *positions, scaling)
+        ctx.save_for_backward(query, key, value, tau, distance_bias, lse)
+        ctx.lazy_metadata, ctx.scaling = metadata, scaling
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        query, key, value, tau, distance_bias, q_pos, k_pos, q_seg, k_seg, lse = ctx.saved_tensors
-        dq, dk, dv, d_tau, d_bias = _backward(grad_out, query, key, value, tau, distance_bias, q_pos, k_pos,
-                                              q_seg, k_seg, lse, ctx.scaling)
-        return dq, dk, dv, d_tau.to(tau.dtype), d_bias.to(distance_bias.dtype), None, None, None, None, None
+        query, key, value, tau, distance_bias, lse = ctx.saved_tensors
+        key_used, value_used, positions = _kernel_inputs(key, value, ctx.lazy_metadata)
+        dq, dk, dv, d_tau, d_bias = _backward(grad_out, query, key_used, value_used, tau, distance_bias, *positions,
+                                              lse, ctx.scaling)
+        if key_used.shape[2] != key.shape[2]:  # gradients of the unused (unwritten) cache slots are 0
+            dk = torch.cat([dk, dk.new_zeros(*dk.shape[:2], key.shape[2] - dk.shape[2], dk.shape[3])], dim=2)
+            dv = torch.cat([dv, dv.new_zeros(*dv.shape[:2], value.shape[2] - dv.shape[2], dv.shape[3])], dim=2)
+        return dq, dk, dv, d_tau.to(tau.dtype), d_bias.to(distance_bias.dtype), None, None
 
 
-def lazy_attention_triton(query, key, value, tau, distance_bias, q_pos, k_pos, q_seg, k_seg, scaling):
+def lazy_attention_triton(query, key, value, tau, distance_bias, metadata: LazyMetadata, scaling):
     """Lazy Attention with the Triton kernels (CUDA tensors, or CPU tensors under TRITON_INTERPRET=1).
 
     Args:
-        query: `[B, Hq, Tq, D]`; key, value: `[B, Hkv, Tk, D]` (float16, bfloat16 or float32; views allowed).
+        query: `[B, Hq, Tq, D]`; key, value: `[B, Hkv, >= Tk, D]` (float16, bfloat16 or float32; views allowed).
         tau: `[Hq]` float32; distance_bias: `[Hq, W]` float32.
-        q_pos `[B, Tq]`, k_pos `[B, Tk]` int64; q_seg `[B, Tq]`, k_seg `[B, Tk]` int32 (see lazy_attention_torch).
+        metadata: the call's `LazyMetadata` (see `lazy_attention_reference`).
         scaling: score scale (head_dim ** -0.5).
     Returns:
         `out [B, Tq, Hq, D]` in the query dtype; differentiable in query, key, value, tau, distance_bias.
     """
-    return LazyAttentionTritonFunction.apply(query, key, value, tau, distance_bias, q_pos, k_pos, q_seg, k_seg,
-                                             float(scaling))
+    return LazyAttentionTritonFunction.apply(query, key, value, tau, distance_bias, metadata, float(scaling))
 
 
-def lazy_attention_tile_stats(query, key, value, tau, distance_bias, q_pos, k_pos, q_seg, k_seg, scaling,
+def lazy_attention_tile_stats(query, key, value, tau, distance_bias, metadata: LazyMetadata, scaling,
                               num_splits=None):
     """Forward once with counters (benchmarks only; synchronises): key tiles pass 2 visited vs visible.
 
     Returns `(visited, visible, density)`: the number of (query tile, key tile) pairs whose `a @ V` product
     pass 2 computed, the number with any visible (causal, same-document, non-padding) entry, and their ratio.
     """
-    _, _, stats = _forward(query, key, value, tau, distance_bias, *_metadata(q_pos, k_pos, q_seg, k_seg), scaling,
+    key, value, positions = _kernel_inputs(key, value, metadata)
+    _, _, stats = _forward(query, key, value, tau, distance_bias, *positions, scaling,
                            num_splits=num_splits, with_stats=True)
     visited, visible = (int(x) for x in stats.view(-1, 2).sum(0).tolist())
     return visited, visible, visited / max(1, visible)
