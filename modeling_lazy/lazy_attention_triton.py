@@ -33,6 +33,7 @@ upcast to float32 before `tl.dot` on that path only (the interpreter's bf16 dot 
 """
 
 import os
+from typing import TYPE_CHECKING
 
 try:
     import triton
@@ -45,7 +46,8 @@ except ImportError as error:  # modeling_lazy catches this and serves every devi
 
 import torch
 
-from .lazy_attention_reference import LazyMetadata
+if TYPE_CHECKING:  # annotations only: the ahead-of-time compiler loads this file on its own
+    from .lazy_attention_reference import LazyMetadata
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -617,7 +619,7 @@ def _backward(grad_out, query, key, value, tau, distance_bias, q_pos, k_pos, q_s
     return dq, dk, dv, dtau_part.sum(dim=(0, 2)), dbias_part.sum(dim=(0, 2))
 
 
-def _kernel_inputs(key, value, metadata: LazyMetadata):
+def _kernel_inputs(key, value, metadata: "LazyMetadata"):
     """`(key, value, (q_pos, k_pos, q_seg, k_seg) int32)`: keys cut to the metadata (a static cache hands over
     a longer buffer) and the per-token metadata the kernels read."""
     k_len = metadata.key_length
@@ -633,7 +635,7 @@ class LazyAttentionTritonFunction(torch.autograd.Function):
     """Fused Lazy Attention; saves q, k, v and the row log-sum-exp (float32) for backward."""
 
     @staticmethod
-    def forward(ctx, query, key, value, tau, distance_bias, metadata: LazyMetadata, scaling):
+    def forward(ctx, query, key, value, tau, distance_bias, metadata: "LazyMetadata", scaling):
         key_used, value_used, positions = _kernel_inputs(key, value, metadata)
         out, lse, _ = _forward(query, key_used, value_used, tau, distance_bias, *positions, scaling)
         ctx.save_for_backward(query, key, value, tau, distance_bias, lse)
@@ -652,7 +654,7 @@ class LazyAttentionTritonFunction(torch.autograd.Function):
         return dq, dk, dv, d_tau.to(tau.dtype), d_bias.to(distance_bias.dtype), None, None
 
 
-def lazy_attention_triton(query, key, value, tau, distance_bias, metadata: LazyMetadata, scaling):
+def lazy_attention_triton(query, key, value, tau, distance_bias, metadata: "LazyMetadata", scaling):
     """Lazy Attention with the Triton kernels (CUDA tensors, or CPU tensors under TRITON_INTERPRET=1).
 
     Args:
@@ -666,7 +668,7 @@ def lazy_attention_triton(query, key, value, tau, distance_bias, metadata: LazyM
     return LazyAttentionTritonFunction.apply(query, key, value, tau, distance_bias, metadata, float(scaling))
 
 
-def lazy_attention_tile_stats(query, key, value, tau, distance_bias, metadata: LazyMetadata, scaling,
+def lazy_attention_tile_stats(query, key, value, tau, distance_bias, metadata: "LazyMetadata", scaling,
                               num_splits=None):
     """Forward once with counters (benchmarks only; synchronises): key tiles pass 2 visited vs visible.
 
