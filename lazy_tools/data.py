@@ -132,7 +132,7 @@ def pack_token_blocks(documents: list[list[int]], block_size: int, eos_token_id:
 
     Returns `(input_ids [N, block_size], position_ids [N, block_size])`, both int64. Positions restart at 0
     at each document start (and at each block start), so with LazyLlama a packed document never attends to
-    its neighbours and gets exactly the `n_i = pos_i + 1` it would get alone (SPEC section 1). If
+    its neighbours and gets exactly the `n_i = pos_i + 1` it would get alone (docs/design.md). If
     `eos_token_id` is given it is appended to every document. The last partial block is dropped.
     """
     import torch

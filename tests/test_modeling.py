@@ -1,4 +1,4 @@
-"""The model against an independent float64 implementation of SPEC section 1, and against Llama."""
+"""The model against an independent float64 implementation of the math (docs/design.md), and against Llama."""
 
 import json
 
