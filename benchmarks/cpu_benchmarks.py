@@ -1,4 +1,5 @@
-"""CPU benchmarks of PERFORMANCE.md: ratios of LazyLlama against SDPA / vanilla LlamaForCausalLM (sdpa).
+"""CPU benchmarks: ratios of LazyLlama against SDPA / vanilla LlamaForCausalLM (sdpa); results and targets in
+BENCHMARKS.md.
 
 Every ratio is measured in one process, interleaved (A B A B ...), after a warm-up, as the median of the
 per-round ratios; the spread is the min-max of those ratios. Tables are printed as markdown.

@@ -3,6 +3,7 @@
 Read top to bottom in the order data flows: the attention functions (`eager` reference and the fused
 `lazy` one), the attention module with its two new parameters, the decoder layer, the pre-trained base
 class, the base model and the causal-LM head. Everything not listed here is Llama's, reused unchanged.
+The math and the attention backends are described in docs/design.md (in the LazyLlama repository).
 
 The file only uses sibling imports, so it travels flat with a checkpoint (`trust_remote_code=True`).
 """
