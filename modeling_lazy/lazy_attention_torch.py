@@ -344,6 +344,107 @@ def _pad_keys(grad: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
     return padded
 
 
+# ---------------------------------------------------------------------------------------------------
+# Decode path (inference only; a few query rows against a long cache). One pass of a few ops per call:
+# no chunk loop, no band table, no workspace, no copy of float32 inputs, GQA as `[B, Hkv, G * Tq, Tk]`
+# score rows against the shared key/value heads. The causal layout adds the distance bias to the last
+# `W` keys of each row (the bias reversed along its window); the general layout (padding) builds the
+# bias and the visibility of its `Tq x Tk` entries from the metadata.
+#
+# Sparse values: with tau < 0 the ReLU zeroes most weights of a long row, so after the weights only the
+# value rows that some head of a GQA group needs are gathered (padded to the group with the most rows,
+# pads weighted 0). The exact same sum as the dense product, with far fewer rows of V read; used from
+# `_SPARSE_V_MIN_KEYS` keys on, when the densest group needs at most `_SPARSE_V_MAX_DENSITY` of them.
+# ---------------------------------------------------------------------------------------------------
+
+_DECODE_MAX_ROWS = 16  # query rows per call up to which inference takes the decode path
+_SPARSE_V_MIN_KEYS = 2048
+_SPARSE_V_MAX_DENSITY = 0.5
+
+
+def _decode_scores(query, key, distance_bias, metadata: LazyMetadata, scaling, dtype) -> torch.Tensor:
+    """`[B, Hq, Tq, Tk]` biased scores, `-inf` where a key is not visible (no copy of float32 k)."""
+    bsz, num_heads, q_len, dim = query.shape
+    kv_heads, k_len = key.shape[1], metadata.key_length
+    q = torch.mul(query.to(dtype), scaling).reshape(bsz, kv_heads, num_heads // kv_heads * q_len, dim)
+    k = key[:, :, :k_len].to(dtype)
+    scores = torch.matmul(q, k.transpose(2, 3)).view(bsz, num_heads, q_len, k_len)
+    if not metadata.causal:
+        scores.add_(distance_bias_scores(distance_bias, metadata.q_pos, metadata.k_pos, dtype))
+        return scores.masked_fill_(~lazy_visibility(metadata), float("-inf"))
+    window = distance_bias.shape[-1]
+    reversed_bias = distance_bias.to(dtype).flip(-1)  # [Hq, W]: column W - 1 - d holds distance d
+    for row in range(q_len):
+        last = metadata.key_offset + row  # key index of this row (distance 0)
+        first = max(0, last - window + 1)
+        scores[:, :, row, first : last + 1].add_(reversed_bias[:, window - (last + 1 - first) :])
+        if last + 1 < k_len:
+            scores[:, :, row, last + 1 :] = float("-inf")
+    return scores
+
+
+def _decode_weights(scores, tau, distance_bias, metadata: LazyMetadata, dtype) -> torch.Tensor:
+    """`a = max(0, softmax + tau / n)` in place of a fresh softmax buffer; invisible keys and rows without a
+    normaliser (softmax gives NaN there: all their scores are -inf) get 0."""
+    weights = torch.softmax(scores, dim=-1)
+    n = (metadata.q_pos + 1).to(dtype)[:, None, :, None]  # [B, 1, Tq, 1]
+    weights.add_(tau.to(dtype)[None, :, None, None] / n).clamp_min_(0.0)
+    q_len = scores.shape[2]
+    if not metadata.causal:
+        hidden = ~lazy_visibility(metadata) | torch.isnan(weights[..., :1])
+        return weights.masked_fill_(hidden, 0.0)
+    for row in range(q_len - 1):  # future keys: p = 0 there, but p + tau / n > 0 when tau > 0
+        weights[:, :, row, metadata.key_offset + row + 1 :] = 0.0
+    if metadata.key_offset < distance_bias.shape[-1]:  # a row sees a distance >= W (bias 0) otherwise: alive
+        weights.masked_fill_(torch.isnan(weights[..., :1]), 0.0)
+    return weights
+
+
+def _sparse_value_rows(weights: torch.Tensor, value: torch.Tensor, k_len: int, dtype) -> torch.Tensor | None:
+    """`weights [B, Hkv, R, Tk] @ value[:, :, :Tk]` reading only the value rows some of the R rows needs.
+
+    None when the densest group needs more than `_SPARSE_V_MAX_DENSITY` of the keys (the dense product wins).
+    """
+    bsz, kv_heads, rows, _ = weights.shape
+    groups = bsz * kv_heads
+    w = weights.view(groups, rows, k_len)
+    need = w.amax(dim=1) > 0  # [B * Hkv, Tk]
+    counts = need.sum(-1)
+    most = int(counts.max())
+    if most > _SPARSE_V_MAX_DENSITY * k_len:
+        return None
+    group, key_index = need.nonzero().unbind(1)  # row-major: the keys of group 0, then group 1, ...
+    slot = torch.arange(group.numel(), device=w.device) - (counts.cumsum(0) - counts)[group]
+    index = torch.zeros(groups, most, dtype=torch.long, device=w.device)  # pads read key 0, weighted 0
+    index[group, slot] = key_index
+    w_needed = torch.gather(w, 2, index[:, None, :].expand(groups, rows, most))
+    w_needed.masked_fill_((torch.arange(most, device=w.device) >= counts[:, None])[:, None, :], 0.0)
+    dim = value.shape[-1]
+    if value.is_contiguous():  # one row copy per needed key
+        base = torch.arange(groups, device=w.device)[:, None] * value.shape[2]
+        v_needed = value.view(-1, dim).index_select(0, (index + base).view(-1)).view(groups, most, dim)
+    else:
+        v_needed = torch.gather(value, 2, index.view(bsz, kv_heads, most, 1).expand(bsz, kv_heads, most, dim))
+        v_needed = v_needed.view(groups, most, dim)
+    return torch.bmm(w_needed, v_needed.to(dtype)).view(bsz, kv_heads, rows, dim)
+
+
+def _decode_forward(query, key, value, tau, distance_bias, metadata: LazyMetadata, scaling) -> torch.Tensor:
+    """`out [B, Tq, Hq, D]` in the query dtype, for a few query rows (inference only)."""
+    bsz, num_heads, q_len, dim = query.shape
+    kv_heads, k_len = key.shape[1], metadata.key_length
+    dtype = compute_dtype(query)
+    scores = _decode_scores(query, key, distance_bias, metadata, scaling, dtype)
+    weights = _decode_weights(scores, tau, distance_bias, metadata, dtype)
+    weights = weights.view(bsz, kv_heads, num_heads // kv_heads * q_len, k_len)
+    out = None
+    if k_len >= _SPARSE_V_MIN_KEYS and not torch.compiler.is_compiling():
+        out = _sparse_value_rows(weights, value, k_len, dtype)
+    if out is None:
+        out = torch.matmul(weights, value[:, :, :k_len].to(dtype))
+    return out.view(bsz, num_heads, q_len, dim).transpose(1, 2).to(query.dtype)
+
+
 def lazy_attention_torch(query, key, value, tau, distance_bias, metadata: LazyMetadata, scaling):
     """Exact Lazy Attention without any L x L tensor. Same arguments as `lazy_attention_reference`.
 
@@ -351,8 +452,10 @@ def lazy_attention_torch(query, key, value, tau, distance_bias, metadata: LazyMe
     """
     if torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value, tau, distance_bias)):
         return LazyAttentionTorchFunction.apply(query, key, value, tau, distance_bias, metadata, float(scaling))
+    if query.shape[2] <= _DECODE_MAX_ROWS:
+        return _decode_forward(query, key, value, tau, distance_bias, metadata, float(scaling))
     out, _ = _lazy_forward(query, key, value, tau, distance_bias, metadata, float(scaling))
-    return out.to(query.dtype)  # inference (prefill, decode): no autograd bookkeeping
+    return out.to(query.dtype)  # inference (prefill): no autograd bookkeeping
 
 
 __all__ = ["LazyAttentionTorchFunction", "lazy_attention_torch"]
