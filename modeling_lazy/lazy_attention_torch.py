@@ -413,10 +413,11 @@ def _sparse_value_rows(weights: torch.Tensor, value: torch.Tensor, k_len: int, d
     most = int(counts.max())
     if most > _SPARSE_V_MAX_DENSITY * k_len:
         return None
-    group, key_index = need.nonzero().unbind(1)  # row-major: the keys of group 0, then group 1, ...
-    slot = torch.arange(group.numel(), device=w.device) - (counts.cumsum(0) - counts)[group]
-    index = torch.zeros(groups, most, dtype=torch.long, device=w.device)  # pads read key 0, weighted 0
-    index[group, slot] = key_index
+    flat = need.view(-1).nonzero().view(-1)  # sorted: the keys of group 0, then group 1, ...
+    group = torch.div(flat, k_len, rounding_mode="floor")
+    slot = torch.arange(flat.numel(), device=w.device) - (counts.cumsum(0) - counts).index_select(0, group)
+    index = torch.zeros(groups * most, dtype=torch.long, device=w.device)  # pads read key 0, weighted 0
+    index = index.index_copy_(0, group * most + slot, flat - group * k_len).view(groups, most)
     w_needed = torch.gather(w, 2, index[:, None, :].expand(groups, rows, most))
     w_needed.masked_fill_((torch.arange(most, device=w.device) >= counts[:, None])[:, None, :], 0.0)
     dim = value.shape[-1]
