@@ -352,23 +352,28 @@ def _pad_keys(grad: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
 # bias and the visibility of its `Tq x Tk` entries from the metadata.
 #
 # Sparse values: with tau < 0 the ReLU zeroes most weights of a long row, so after the weights only the
-# value rows that some head of a GQA group needs are gathered (padded to the group with the most rows,
-# pads weighted 0). The exact same sum as the dense product, with far fewer rows of V read; used from
+# value rows that some head of a GQA group needs are gathered (as many per group as the neediest group
+# needs; the extra ones have weight 0). The exact same sum as the dense product, with far fewer rows of V read; used from
 # `_SPARSE_V_MIN_KEYS` keys on, when the densest group needs at most `_SPARSE_V_MAX_DENSITY` of them.
 # ---------------------------------------------------------------------------------------------------
 
 _DECODE_MAX_ROWS = 16  # query rows per call up to which inference takes the decode path
-_SPARSE_V_MIN_KEYS = 2048
-_SPARSE_V_MAX_DENSITY = 0.5
+_SPARSE_V_MIN_KEYS = 4096
+_SPARSE_V_MAX_DENSITY = 0.25
 
 
 def _decode_scores(query, key, distance_bias, metadata: LazyMetadata, scaling, dtype) -> torch.Tensor:
-    """`[B, Hq, Tq, Tk]` biased scores, `-inf` where a key is not visible (no copy of float32 k)."""
+    """`[B, Hq, Tq, Tk]` biased scores, `-inf` where a key is not visible (no copy of float32 k).
+
+    Every op here costs microseconds of dispatch against a few microseconds of math at short contexts, so
+    the causal layout takes plain `narrow` views and touches only the last `W` keys of each row.
+    """
     bsz, num_heads, q_len, dim = query.shape
     kv_heads, k_len = key.shape[1], metadata.key_length
-    q = torch.mul(query.to(dtype), scaling).reshape(bsz, kv_heads, num_heads // kv_heads * q_len, dim)
-    k = key[:, :, :k_len].to(dtype)
-    scores = torch.matmul(q, k.transpose(2, 3)).view(bsz, num_heads, q_len, k_len)
+    rows = num_heads // kv_heads * q_len
+    q = torch.mul(query.to(dtype), scaling).reshape(bsz * kv_heads, rows, dim)
+    k = (key if key.shape[2] == k_len else key.narrow(2, 0, k_len)).to(dtype).reshape(bsz * kv_heads, k_len, dim)
+    scores = torch.bmm(q, k.transpose(1, 2)).view(bsz, num_heads, q_len, k_len)
     if not metadata.causal:
         scores.add_(distance_bias_scores(distance_bias, metadata.q_pos, metadata.k_pos, dtype))
         return scores.masked_fill_(~lazy_visibility(metadata), float("-inf"))
@@ -377,53 +382,52 @@ def _decode_scores(query, key, distance_bias, metadata: LazyMetadata, scaling, d
     for row in range(q_len):
         last = metadata.key_offset + row  # key index of this row (distance 0)
         first = max(0, last - window + 1)
-        scores[:, :, row, first : last + 1].add_(reversed_bias[:, window - (last + 1 - first) :])
+        row_scores = scores.select(2, row)  # [B, Hq, Tk]
+        row_scores.narrow(-1, first, last + 1 - first).add_(reversed_bias.narrow(-1, window - (last + 1 - first),
+                                                                                  last + 1 - first))
         if last + 1 < k_len:
-            scores[:, :, row, last + 1 :] = float("-inf")
+            row_scores.narrow(-1, last + 1, k_len - last - 1).fill_(float("-inf"))
     return scores
 
 
 def _decode_weights(scores, tau, distance_bias, metadata: LazyMetadata, dtype) -> torch.Tensor:
     """`a = max(0, softmax + tau / n)` in place of a fresh softmax buffer; invisible keys and rows without a
     normaliser (softmax gives NaN there: all their scores are -inf) get 0."""
+    bsz, num_heads, q_len, k_len = scores.shape
     weights = torch.softmax(scores, dim=-1)
-    n = (metadata.q_pos + 1).to(dtype)[:, None, :, None]  # [B, 1, Tq, 1]
-    weights.add_(tau.to(dtype)[None, :, None, None] / n).clamp_min_(0.0)
-    q_len = scores.shape[2]
+    n = metadata.q_pos.to(dtype).add_(1.0).view(bsz, 1, q_len, 1)
+    weights.addcdiv_(tau.to(dtype).view(1, num_heads, 1, 1), n).clamp_min_(0.0)  # p + tau / n, one pass
     if not metadata.causal:
         hidden = ~lazy_visibility(metadata) | torch.isnan(weights[..., :1])
         return weights.masked_fill_(hidden, 0.0)
     for row in range(q_len - 1):  # future keys: p = 0 there, but p + tau / n > 0 when tau > 0
-        weights[:, :, row, metadata.key_offset + row + 1 :] = 0.0
+        first_future = metadata.key_offset + row + 1
+        weights.select(2, row).narrow(-1, first_future, k_len - first_future).zero_()
     if metadata.key_offset < distance_bias.shape[-1]:  # a row sees a distance >= W (bias 0) otherwise: alive
-        weights.masked_fill_(torch.isnan(weights[..., :1]), 0.0)
+        weights.nan_to_num_(nan=0.0)  # a row without a normaliser is NaN throughout; no other entry is NaN
     return weights
 
 
 def _sparse_value_rows(weights: torch.Tensor, value: torch.Tensor, k_len: int, dtype) -> torch.Tensor | None:
     """`weights [B, Hkv, R, Tk] @ value[:, :, :Tk]` reading only the value rows some of the R rows needs.
 
-    None when the densest group needs more than `_SPARSE_V_MAX_DENSITY` of the keys (the dense product wins).
+    Each group takes the `m` keys of largest weight over its rows, `m` the most keys any group needs: a group
+    that needs fewer also takes keys whose weights are all 0, so the sum is exactly the dense one. None when
+    `m` exceeds `_SPARSE_V_MAX_DENSITY` of the keys (the dense product is faster then).
     """
     bsz, kv_heads, rows, _ = weights.shape
     groups = bsz * kv_heads
     w = weights.view(groups, rows, k_len)
-    need = w.amax(dim=1) > 0  # [B * Hkv, Tk]
-    counts = need.sum(-1)
-    most = int(counts.max())
+    need = w.amax(dim=1)  # [B * Hkv, Tk], > 0 where some row of the group weights the key
+    most = int(torch.count_nonzero(need, dim=-1).max())
     if most > _SPARSE_V_MAX_DENSITY * k_len:
         return None
-    flat = need.view(-1).nonzero().view(-1)  # sorted: the keys of group 0, then group 1, ...
-    group = torch.div(flat, k_len, rounding_mode="floor")
-    slot = torch.arange(flat.numel(), device=w.device) - (counts.cumsum(0) - counts).index_select(0, group)
-    index = torch.zeros(groups * most, dtype=torch.long, device=w.device)  # pads read key 0, weighted 0
-    index = index.index_copy_(0, group * most + slot, flat - group * k_len).view(groups, most)
-    w_needed = torch.gather(w, 2, index[:, None, :].expand(groups, rows, most))
-    w_needed.masked_fill_((torch.arange(most, device=w.device) >= counts[:, None])[:, None, :], 0.0)
+    index = need.topk(most, dim=-1, sorted=False).indices  # [B * Hkv, m]
+    w_needed = torch.gather(w, 2, index.unsqueeze(1).expand(groups, rows, most))
     dim = value.shape[-1]
     if value.is_contiguous():  # one row copy per needed key
-        base = torch.arange(groups, device=w.device)[:, None] * value.shape[2]
-        v_needed = value.view(-1, dim).index_select(0, (index + base).view(-1)).view(groups, most, dim)
+        flat = index + torch.arange(0, groups * value.shape[2], value.shape[2], device=w.device).unsqueeze(1)
+        v_needed = value.view(-1, dim).index_select(0, flat.view(-1)).view(groups, most, dim)
     else:
         v_needed = torch.gather(value, 2, index.view(bsz, kv_heads, most, 1).expand(bsz, kv_heads, most, dim))
         v_needed = v_needed.view(groups, most, dim)
@@ -442,7 +446,7 @@ def _decode_forward(query, key, value, tau, distance_bias, metadata: LazyMetadat
     if k_len >= _SPARSE_V_MIN_KEYS and not torch.compiler.is_compiling():
         out = _sparse_value_rows(weights, value, k_len, dtype)
     if out is None:
-        out = torch.matmul(weights, value[:, :, :k_len].to(dtype))
+        out = torch.matmul(weights, (value if value.shape[2] == k_len else value.narrow(2, 0, k_len)).to(dtype))
     return out.view(bsz, num_heads, q_len, dim).transpose(1, 2).to(query.dtype)
 
 

@@ -136,3 +136,18 @@ def test_training_never_takes_the_decode_path(rng_seed, monkeypatch):
     want_grads = torch.autograd.grad(want.sum(), [q, k, v, tau, bias])
     for name, a, b in zip(["q", "k", "v", "tau", "bias"], grads, want_grads):
         torch.testing.assert_close(a, b, atol=5e-5, rtol=1e-4, msg=f"d{name}, seed {rng_seed}")
+
+
+@pytest.mark.parametrize("v_read", list(V_READS))
+def test_decode_with_every_weight_zero(v_read, rng_seed, monkeypatch):
+    """tau far below 0 leaves no key weighted: the sparse read gathers no row and the output is 0."""
+    for name, value in V_READS[v_read].items():
+        monkeypatch.setattr(ops, name, value)
+    bsz, heads, past, dim = 2, 4, 50, 8
+    meta = ref.lazy_attention_metadata(None, None, past, 1, bsz, CPU)
+    q, k, v = torch.randn(bsz, heads, 1, dim), *torch.randn(2, bsz, 2, past + 1, dim)
+    tau, bias = torch.full((heads,), -1e3), torch.randn(heads, 8)
+    with torch.no_grad():
+        got = ops.lazy_attention_torch(q, k, v, tau, bias, meta, dim**-0.5)
+    want, _ = ref.lazy_attention_reference(q, k, v, tau, bias, meta, dim**-0.5)
+    assert (want == 0).all() and (got == 0).all(), f"seed {rng_seed}"
