@@ -352,8 +352,8 @@ def _pad_keys(grad: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
 # bias and the visibility of its `Tq x Tk` entries from the metadata.
 #
 # Sparse values: with tau < 0 the ReLU zeroes most weights of a long row, so after the weights only the
-# value rows that some head of a GQA group needs are gathered (as many per group as the neediest group
-# needs; the extra ones have weight 0). The exact same sum as the dense product, with far fewer rows of V read; used from
+# value rows that some head of a GQA group needs are gathered (per group as many as the neediest group
+# needs; the extra ones have weight 0): exactly the dense sum, with far fewer rows of V read. Used from
 # `_SPARSE_V_MIN_KEYS` keys on, when the densest group needs at most `_SPARSE_V_MAX_DENSITY` of them.
 # ---------------------------------------------------------------------------------------------------
 

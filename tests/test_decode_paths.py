@@ -151,3 +151,37 @@ def test_decode_with_every_weight_zero(v_read, rng_seed, monkeypatch):
         got = ops.lazy_attention_torch(q, k, v, tau, bias, meta, dim**-0.5)
     want, _ = ref.lazy_attention_reference(q, k, v, tau, bias, meta, dim**-0.5)
     assert (want == 0).all() and (got == 0).all(), f"seed {rng_seed}"
+
+
+@pytest.mark.parametrize("positions", [False, True], ids=["no-position-ids", "position-ids"])
+@pytest.mark.parametrize("past", [0, 7])
+def test_all_ones_mask_gives_the_no_mask_metadata(past, positions):
+    q_len, bsz = 3, 2
+    position_ids = torch.arange(past, past + q_len)[None] if positions else None
+    plain = ref.lazy_attention_metadata(None, position_ids, past, q_len, bsz, CPU)
+    ones = ref.lazy_attention_metadata(torch.ones(bsz, past + q_len, dtype=torch.long), position_ids, past, q_len,
+                                       bsz, CPU)
+    assert ones.causal and plain.causal
+    for name, a, b in zip(plain._fields, plain, ones):
+        assert torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b, name
+    shifted = ref.lazy_attention_metadata(None, position_ids + 1, past, q_len, bsz, CPU) if positions else None
+    assert shifted is None or shifted.causal == (past == 0)  # a cache at 0 .. past - 1 must be continued
+
+
+def test_generate_with_an_all_ones_mask_decodes_in_the_causal_layout(monkeypatch, rng_seed):
+    """What generate() passes without padding (a 2-D mask of ones, positions) must take the causal decode path."""
+    from tests.conftest import tiny_model
+
+    seen = []
+    decode = ops._decode_forward
+
+    def spy(query, key, value, tau, distance_bias, metadata, scaling):
+        seen.append(metadata.causal)
+        return decode(query, key, value, tau, distance_bias, metadata, scaling)
+
+    monkeypatch.setattr(ops, "_decode_forward", spy)
+    model = tiny_model(seed=rng_seed, attn_implementation="lazy")
+    ids = torch.randint(3, 97, (1, 20))
+    with torch.no_grad():
+        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, min_new_tokens=4, do_sample=False)
+    assert len(seen) == 3 * model.config.num_hidden_layers and all(seen), seen
