@@ -184,7 +184,7 @@ def bench_model(size):
             gen = dict(max_new_tokens=size["new_tokens"], min_new_tokens=size["new_tokens"], do_sample=False,
                        attention_mask=torch.ones_like(ids), pad_token_id=0)
             r = interleaved_ratio(lambda: lazy.generate(ids, **gen), lambda: llama.generate(ids, **gen),
-                                  max(3, size["rounds"] // 2))
+                                  size["rounds"])
             print(_row([f"generate {size['new_tokens']} after {length}", tau_value, _fmt(*r[:3]),
                         f"{1 / r[0]:.2f}x", f"{r[3]:.3f}", f"{r[4]:.3f}"]))
             _record("model", measure="generate", prompt=length, new_tokens=size["new_tokens"], tau=tau_value,

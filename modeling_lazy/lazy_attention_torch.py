@@ -26,7 +26,7 @@ from .lazy_attention_reference import LazyMetadata, compute_dtype, distance_bias
 #   general (padding, packed documents): per-token segments and positions build an explicit mask.
 # ---------------------------------------------------------------------------------------------------
 
-_CHUNK_ELEMENTS = 1 << 20  # score elements (B * Hq * rows * keys) per chunk and thread: ~4 MB of float32
+_CHUNK_ELEMENTS = 1 << 19  # score elements (B * Hq * rows * keys) per chunk and thread: 2 MB of float32, cache-sized
 _MIN_ROWS = 16
 
 
@@ -50,14 +50,15 @@ def _band_table(distance_bias: torch.Tensor, rows: int, k_len: int, dtype) -> tu
     heads = distance_bias.shape[0]
     width = min(distance_bias.shape[-1], k_len)
     device = distance_bias.device
-    ext = torch.cat([  # indexed by d + rows - 1, d in [-(rows - 1), rows + width - 2]
+    ext = torch.cat([  # distance d at index d + rows - 1, d in [-(rows - 1), rows + width - 2]
         torch.full((heads, rows - 1), float("-inf"), dtype=dtype, device=device),
         distance_bias[:, :width].to(dtype),
         torch.zeros(heads, rows - 1, dtype=dtype, device=device),
-    ], dim=1)
-    r = torch.arange(rows, device=device)
-    c = torch.arange(rows + width - 1, device=device)
-    return ext[:, r[:, None] - c[None, :] + (width + rows - 2)], width
+    ], dim=1).flip(-1)  # reversed: distance rows + Wb - 2 - x at index x
+    # row r, column c (distance r + Wb - 1 - c) is at reversed index c + rows - 1 - r: a Hankel view of the
+    # reversed rows, read with positive strides and copied once (a gather would index every element)
+    hankel = ext.as_strided((heads, rows, rows + width - 1), (ext.shape[1], 1, 1))
+    return hankel.flip(1), width
 
 
 def _diagonal_sums(d_s: torch.Tensor, k_lo: int, width: int) -> torch.Tensor:
