@@ -84,11 +84,14 @@ def lazy_attention_metadata(
                 f"[{batch_size}, {key_length}], got {tuple(attention_mask.shape)}. 4-D masks cannot express "
                 "Elastic-Softmax's per-row key count; pass the tokenizer's attention_mask instead."
             )
+        if not torch.compiler.is_compiling() and bool(attention_mask.all()):
+            attention_mask = None  # all ones (generate() without padding): the same layout as no mask
+    key_valid = None
+    if attention_mask is not None:
         key_valid = attention_mask.to(device=device, dtype=torch.bool)
         mask_pos = key_valid.long().cumsum(-1) - 1
         mask_pos = mask_pos.masked_fill(~key_valid, 1)  # what generate() gives padding positions
     else:
-        key_valid = torch.ones(batch_size, key_length, dtype=torch.bool, device=device)
         mask_pos = torch.arange(key_length, device=device).expand(batch_size, key_length)
 
     if position_ids is None:
@@ -106,16 +109,22 @@ def lazy_attention_metadata(
         diff = torch.diff(k_pos, dim=-1, prepend=k_pos[:, :1] - 1)
         seg = (diff != 1).long().cumsum(-1)
     else:
-        seg = torch.zeros(batch_size, key_length, dtype=torch.long, device=device)
+        seg = torch.zeros(batch_size, key_length, dtype=torch.int32, device=device)
     seg = seg.to(torch.int32)
-    k_seg = seg.masked_fill(~key_valid, -1).contiguous()
-    q_seg = seg[:, past_length:].masked_fill(~key_valid[:, past_length:], -2).contiguous()
+    if key_valid is None:
+        k_seg, q_seg = seg.contiguous(), seg[:, past_length:].contiguous()
+    else:
+        k_seg = seg.masked_fill(~key_valid, -1).contiguous()
+        q_seg = seg[:, past_length:].masked_fill(~key_valid[:, past_length:], -2).contiguous()
     q_pos, k_pos = q_pos.contiguous(), k_pos.contiguous()
 
     if attention_mask is None and position_ids is None and cu_seq_lens is None:
         causal = True  # known without looking at the data (and without a host sync under torch.compile)
     elif torch.compiler.is_compiling():
         causal = False  # a data-dependent check would break the graph; the general path is exact
+    elif attention_mask is None and cu_seq_lens is None and past_length > 0:
+        # one segment, cached keys at positions 0 .. past - 1: causal iff the new tokens continue them
+        causal = bool((q_pos == torch.arange(past_length, key_length, device=device)).all())
     else:
         causal = _is_causal_layout(q_pos, k_pos, q_seg, k_seg, past_length)
     return LazyMetadata(q_pos, k_pos, q_seg, k_seg, past_length, causal,

@@ -26,7 +26,7 @@ from .lazy_attention_reference import LazyMetadata, compute_dtype, distance_bias
 #   general (padding, packed documents): per-token segments and positions build an explicit mask.
 # ---------------------------------------------------------------------------------------------------
 
-_CHUNK_ELEMENTS = 1 << 20  # score elements (B * Hq * rows * keys) per chunk and thread: ~4 MB of float32
+_CHUNK_ELEMENTS = 1 << 19  # score elements (B * Hq * rows * keys) per chunk and thread: 2 MB of float32, cache-sized
 _MIN_ROWS = 16
 
 
@@ -50,14 +50,15 @@ def _band_table(distance_bias: torch.Tensor, rows: int, k_len: int, dtype) -> tu
     heads = distance_bias.shape[0]
     width = min(distance_bias.shape[-1], k_len)
     device = distance_bias.device
-    ext = torch.cat([  # indexed by d + rows - 1, d in [-(rows - 1), rows + width - 2]
+    ext = torch.cat([  # distance d at index d + rows - 1, d in [-(rows - 1), rows + width - 2]
         torch.full((heads, rows - 1), float("-inf"), dtype=dtype, device=device),
         distance_bias[:, :width].to(dtype),
         torch.zeros(heads, rows - 1, dtype=dtype, device=device),
-    ], dim=1)
-    r = torch.arange(rows, device=device)
-    c = torch.arange(rows + width - 1, device=device)
-    return ext[:, r[:, None] - c[None, :] + (width + rows - 2)], width
+    ], dim=1).flip(-1)  # reversed: distance rows + Wb - 2 - x at index x
+    # row r, column c (distance r + Wb - 1 - c) is at reversed index c + rows - 1 - r: a Hankel view of the
+    # reversed rows, read with positive strides and copied once (a gather would index every element)
+    hankel = ext.as_strided((heads, rows, rows + width - 1), (ext.shape[1], 1, 1))
+    return hankel.flip(1), width
 
 
 def _diagonal_sums(d_s: torch.Tensor, k_lo: int, width: int) -> torch.Tensor:
@@ -344,6 +345,112 @@ def _pad_keys(grad: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
     return padded
 
 
+# ---------------------------------------------------------------------------------------------------
+# Decode path (inference only; a few query rows against a long cache). One pass of a few ops per call:
+# no chunk loop, no band table, no workspace, no copy of float32 inputs, GQA as `[B, Hkv, G * Tq, Tk]`
+# score rows against the shared key/value heads. The causal layout adds the distance bias to the last
+# `W` keys of each row (the bias reversed along its window); the general layout (padding) builds the
+# bias and the visibility of its `Tq x Tk` entries from the metadata.
+#
+# Sparse values: with tau < 0 the ReLU zeroes most weights of a long row, so after the weights only the
+# value rows that some head of a GQA group needs are gathered (per group as many as the neediest group
+# needs; the extra ones have weight 0): exactly the dense sum, with far fewer rows of V read. Used from
+# `_SPARSE_V_MIN_KEYS` keys on, when the densest group needs at most `_SPARSE_V_MAX_DENSITY` of them.
+# ---------------------------------------------------------------------------------------------------
+
+_DECODE_MAX_ROWS = 16  # query rows per call up to which inference takes the decode path
+_SPARSE_V_MIN_KEYS = 4096
+_SPARSE_V_MAX_DENSITY = 0.25
+
+
+def _decode_scores(query, key, distance_bias, metadata: LazyMetadata, scaling, dtype) -> torch.Tensor:
+    """`[B, Hq, Tq, Tk]` biased scores, `-inf` where a key is not visible (no copy of float32 k).
+
+    Every op here costs microseconds of dispatch against a few microseconds of math at short contexts, so
+    the causal layout takes plain `narrow` views and touches only the last `W` keys of each row.
+    """
+    bsz, num_heads, q_len, dim = query.shape
+    kv_heads, k_len = key.shape[1], metadata.key_length
+    rows = num_heads // kv_heads * q_len
+    q = torch.mul(query.to(dtype), scaling).reshape(bsz * kv_heads, rows, dim)
+    k = (key if key.shape[2] == k_len else key.narrow(2, 0, k_len)).to(dtype).reshape(bsz * kv_heads, k_len, dim)
+    scores = torch.bmm(q, k.transpose(1, 2)).view(bsz, num_heads, q_len, k_len)
+    if not metadata.causal:
+        scores.add_(distance_bias_scores(distance_bias, metadata.q_pos, metadata.k_pos, dtype))
+        return scores.masked_fill_(~lazy_visibility(metadata), float("-inf"))
+    window = distance_bias.shape[-1]
+    reversed_bias = distance_bias.to(dtype).flip(-1)  # [Hq, W]: column W - 1 - d holds distance d
+    for row in range(q_len):
+        last = metadata.key_offset + row  # key index of this row (distance 0)
+        first = max(0, last - window + 1)
+        row_scores = scores.select(2, row)  # [B, Hq, Tk]
+        row_scores.narrow(-1, first, last + 1 - first).add_(reversed_bias.narrow(-1, window - (last + 1 - first),
+                                                                                  last + 1 - first))
+        if last + 1 < k_len:
+            row_scores.narrow(-1, last + 1, k_len - last - 1).fill_(float("-inf"))
+    return scores
+
+
+def _decode_weights(scores, tau, distance_bias, metadata: LazyMetadata, dtype) -> torch.Tensor:
+    """`a = max(0, softmax + tau / n)` in place of a fresh softmax buffer; invisible keys and rows without a
+    normaliser (softmax gives NaN there: all their scores are -inf) get 0."""
+    bsz, num_heads, q_len, k_len = scores.shape
+    weights = torch.softmax(scores, dim=-1)
+    n = metadata.q_pos.to(dtype).add_(1.0).view(bsz, 1, q_len, 1)
+    weights.addcdiv_(tau.to(dtype).view(1, num_heads, 1, 1), n).clamp_min_(0.0)  # p + tau / n, one pass
+    if not metadata.causal:
+        hidden = ~lazy_visibility(metadata) | torch.isnan(weights[..., :1])
+        return weights.masked_fill_(hidden, 0.0)
+    for row in range(q_len - 1):  # future keys: p = 0 there, but p + tau / n > 0 when tau > 0
+        first_future = metadata.key_offset + row + 1
+        weights.select(2, row).narrow(-1, first_future, k_len - first_future).zero_()
+    if metadata.key_offset < distance_bias.shape[-1]:  # a row sees a distance >= W (bias 0) otherwise: alive
+        weights.nan_to_num_(nan=0.0)  # a row without a normaliser is NaN throughout; no other entry is NaN
+    return weights
+
+
+def _sparse_value_rows(weights: torch.Tensor, value: torch.Tensor, k_len: int, dtype) -> torch.Tensor | None:
+    """`weights [B, Hkv, R, Tk] @ value[:, :, :Tk]` reading only the value rows some of the R rows needs.
+
+    Each group takes the `m` keys of largest weight over its rows, `m` the most keys any group needs: a group
+    that needs fewer also takes keys whose weights are all 0, so the sum is exactly the dense one. None when
+    `m` exceeds `_SPARSE_V_MAX_DENSITY` of the keys (the dense product is faster then).
+    """
+    bsz, kv_heads, rows, _ = weights.shape
+    groups = bsz * kv_heads
+    w = weights.view(groups, rows, k_len)
+    need = w.amax(dim=1)  # [B * Hkv, Tk], > 0 where some row of the group weights the key
+    most = int(torch.count_nonzero(need, dim=-1).max())
+    if most > _SPARSE_V_MAX_DENSITY * k_len:
+        return None
+    index = need.topk(most, dim=-1, sorted=False).indices  # [B * Hkv, m]
+    w_needed = torch.gather(w, 2, index.unsqueeze(1).expand(groups, rows, most))
+    dim = value.shape[-1]
+    if value.is_contiguous():  # one row copy per needed key
+        flat = index + torch.arange(0, groups * value.shape[2], value.shape[2], device=w.device).unsqueeze(1)
+        v_needed = value.view(-1, dim).index_select(0, flat.view(-1)).view(groups, most, dim)
+    else:
+        v_needed = torch.gather(value, 2, index.view(bsz, kv_heads, most, 1).expand(bsz, kv_heads, most, dim))
+        v_needed = v_needed.view(groups, most, dim)
+    return torch.bmm(w_needed, v_needed.to(dtype)).view(bsz, kv_heads, rows, dim)
+
+
+def _decode_forward(query, key, value, tau, distance_bias, metadata: LazyMetadata, scaling) -> torch.Tensor:
+    """`out [B, Tq, Hq, D]` in the query dtype, for a few query rows (inference only)."""
+    bsz, num_heads, q_len, dim = query.shape
+    kv_heads, k_len = key.shape[1], metadata.key_length
+    dtype = compute_dtype(query)
+    scores = _decode_scores(query, key, distance_bias, metadata, scaling, dtype)
+    weights = _decode_weights(scores, tau, distance_bias, metadata, dtype)
+    weights = weights.view(bsz, kv_heads, num_heads // kv_heads * q_len, k_len)
+    out = None
+    if k_len >= _SPARSE_V_MIN_KEYS and not torch.compiler.is_compiling():
+        out = _sparse_value_rows(weights, value, k_len, dtype)
+    if out is None:
+        out = torch.matmul(weights, (value if value.shape[2] == k_len else value.narrow(2, 0, k_len)).to(dtype))
+    return out.view(bsz, num_heads, q_len, dim).transpose(1, 2).to(query.dtype)
+
+
 def lazy_attention_torch(query, key, value, tau, distance_bias, metadata: LazyMetadata, scaling):
     """Exact Lazy Attention without any L x L tensor. Same arguments as `lazy_attention_reference`.
 
@@ -351,8 +458,10 @@ def lazy_attention_torch(query, key, value, tau, distance_bias, metadata: LazyMe
     """
     if torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value, tau, distance_bias)):
         return LazyAttentionTorchFunction.apply(query, key, value, tau, distance_bias, metadata, float(scaling))
+    if query.shape[2] <= _DECODE_MAX_ROWS:
+        return _decode_forward(query, key, value, tau, distance_bias, metadata, float(scaling))
     out, _ = _lazy_forward(query, key, value, tau, distance_bias, metadata, float(scaling))
-    return out.to(query.dtype)  # inference (prefill, decode): no autograd bookkeeping
+    return out.to(query.dtype)  # inference (prefill): no autograd bookkeeping
 
 
 __all__ = ["LazyAttentionTorchFunction", "lazy_attention_torch"]
