@@ -63,6 +63,7 @@ def shipped_builds(dtypes=(torch.bfloat16, torch.float16, torch.float32)) -> lis
         for dtype in dtypes:
             for dim in HEAD_DIMS:
                 builds += [Build("_lazy_fwd_kernel", "fwd", dtype, dim, arch),
+                           Build("_lazy_causal_fwd_kernel", "causal_fwd", dtype, dim, arch),
                            Build("_lazy_fwd_kernel", "decode", dtype, dim, arch),
                            Build("_lazy_fwd_split_lse_kernel", "decode", dtype, dim, arch),
                            Build("_lazy_fwd_split_out_kernel", "decode", dtype, dim, arch),

@@ -374,6 +374,24 @@ def _lazy_fwd_work(p: Problem, blocks, sms):
     return Work(bh * len(tiles), [bh * sum(tiles)] * 2, qkvo + 4 * bh * p.length, (bm, bn))
 
 
+def _causal_ranges(p: Problem, m0: int, bm: int, bn: int) -> tuple[int, int, int]:
+    """Key tiles of the causal fast path's three loops for query rows [m0, m0 + BM) (its `_causal_key_ranges`)."""
+    hi = min(p.length, m0 + bm)
+    full = (m0 + 1) // bn * bn
+    far = max(m0 - p.window + 1, 0) // bn * bn
+    return far // bn, (full - far) // bn, _cdiv(max(hi - full, 0), bn)
+
+
+def _lazy_causal_fwd_work(p: Problem, blocks, sms):
+    """Pass 1 and pass 2, each: beyond the window, inside it, at the causal limit."""
+    bm, bn = blocks
+    ranges = [_causal_ranges(p, m * bm, bm, bn) for m in range(_cdiv(p.length, bm))]
+    bh = p.batch * p.heads
+    per_loop = [bh * sum(r[i] for r in ranges) for i in range(3)]
+    qkvo = _bytes(2 * bh * p.length * p.dim, 2 * p.batch * p.kv_heads * p.length * p.dim)
+    return Work(bh * len(ranges), per_loop * 2, qkvo + 4 * bh * p.length, (bm, bn))
+
+
 def _lazy_decode_splits(p: Problem, blocks, sms):
     """The launcher's split-K choice (`_device_splits`) for one query row per head."""
     programs = p.batch * p.heads
@@ -455,6 +473,10 @@ LAZY_GENERAL = {
     "dq": KernelSpec("lazy bwd dq", "lazy", "_lazy_bwd_dq_kernel", "dq", partial(_lazy_bwd_query_work, writes_dq=True)),
     "dkdv": KernelSpec("lazy bwd dk/dv", "lazy", "_lazy_bwd_dkdv_kernel", "dkdv", _lazy_dkdv_work),
 }
+LAZY_FAST = {
+    **LAZY_GENERAL,
+    "fwd": KernelSpec("lazy fwd (causal)", "lazy", "_lazy_causal_fwd_kernel", "causal_fwd", _lazy_causal_fwd_work),
+}
 FA2 = {
     "fwd": KernelSpec("FA2-style fwd", "fa2", "_fa2_fwd_kernel", "fwd", _fa2_fwd_work),
     "preprocess": KernelSpec("FA2-style bwd Delta", "fa2", "_fa2_bwd_preprocess_kernel", "bwd", _fa2_preprocess_work),
@@ -464,9 +486,10 @@ FA2 = {
 # Scenario -> kernels run, for each implementation
 SCENARIOS = {
     "lazy (general)": {"forward": ["fwd"], "training": ["fwd", "delta", "dq", "dkdv"], "decode": ["decode"]},
+    "lazy (causal fast path)": {"forward": ["fwd"], "training": ["fwd", "delta", "dq", "dkdv"], "decode": ["decode"]},
     "FA2-style": {"forward": ["fwd"], "training": ["fwd", "preprocess", "bwd"], "decode": ["decode"]},
 }
-IMPLEMENTATIONS = {"lazy (general)": LAZY_GENERAL, "FA2-style": FA2}
+IMPLEMENTATIONS = {"lazy (general)": LAZY_GENERAL, "lazy (causal fast path)": LAZY_FAST, "FA2-style": FA2}
 
 
 def _fa2_module():

@@ -76,6 +76,22 @@ def test_fa2_style_forward_counts_match_its_source():
     assert 250 < tflops < 800, tflops  # FlashAttention-class on an H100, below the 989 TFLOP/s peak
 
 
+def test_causal_fast_path_forward_stays_near_the_yardstick():
+    """The causal fast-path forward at sm_90, D 64: every loop pipelines its loads, the loops beyond the bias
+    window read nothing per key, no spills, and the modelled forward stays within 2.2x the FA2-style one."""
+    fast, fa2 = model.LAZY_FAST["fwd"], model.FA2["fwd"]
+    code = model.analyse(fast.label, model.compile_spec(fast, 90, 64), 90)
+    assert code.spill == 0 and len(code.loops) == 6  # (pass 1, pass 2) x (beyond window, inside, causal limit)
+    assert all(loop.counts.get("async_copy", 0) > 0 for loop in code.loops)
+    assert code.loops[0].counts.get("ldg", 0) == 0 and code.loops[3].counts.get("ldg", 0) == 0
+    problem = model.prefill_problem(4096, 64)
+    times = {}
+    for spec, kernel in ((fast, code), (fa2, model.analyse(fa2.label, model.compile_spec(fa2, 90, 64), 90))):
+        block_m, block_n, _, _ = model.blocks_of(spec, 90, 64)
+        times[spec.label] = model.kernel_time(kernel, spec.work(problem, (block_m, block_n), 132), 90)["seconds"]
+    assert times[fast.label] < 2.2 * times[fa2.label], times
+
+
 def test_fa2_reference_kernels_compute_attention():
     """Forward, backward and split-K decode against PyTorch, run by the Triton interpreter in a child process."""
     code = """
