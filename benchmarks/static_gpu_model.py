@@ -582,7 +582,7 @@ DECODE_LENGTHS = (4096, 32768)
 
 
 def prefill_problem(length: int, dim: int) -> Problem:
-    """H * D = 2048, B * L = 16k (PERFORMANCE.md's shapes), MHA (the FA2-style kernels have no GQA)."""
+    """H * D = 2048, B * L = 16k (the GPU benchmark's prefill shapes), MHA (the FA2-style kernels have no GQA)."""
     heads = 2048 // dim
     return Problem(max(1, 16384 // length), heads, heads, length, dim)
 
