@@ -392,18 +392,15 @@ def _lazy_causal_fwd_work(p: Problem, blocks, sms):
     return Work(bh * len(ranges), per_loop * 2, qkvo + 4 * bh * p.length, (bm, bn))
 
 
-def _lazy_decode_splits(p: Problem, blocks, sms):
-    """The launcher's split-K choice (`_device_splits`) for one query row per head."""
-    programs = p.batch * p.heads
-    if programs >= sms:
-        return 1
-    return max(1, min(_cdiv(2 * sms, programs), p.length // 256))
-
-
 def _lazy_decode_work(p: Problem, blocks, sms):
-    """`_lazy_fwd_kernel` with the decode blocks (one split) - pass 1 reads K, pass 2 re-reads K and V."""
+    """`_lazy_fwd_kernel` with the decode blocks - pass 1 reads K, pass 2 re-reads K and V.
+
+    The launcher runs it (one split) when the query heads alone fill the GPU; fewer would take the split-K
+    kernels, which this model does not cost."""
     bm, bn = blocks
     bh = p.batch * p.heads
+    if bh < sms:
+        raise ValueError(f"{bh} query heads do not fill {sms} SMs: the launcher would split K (not modelled)")
     tiles = _cdiv(p.length, bn)
     kv = p.batch * p.kv_heads * p.length * p.dim
     return Work(bh, [bh * tiles] * 2, _bytes(3 * kv), (bm, bn))
@@ -567,7 +564,7 @@ def scenario_time(impl: str, scenario: str, codes: dict, problem: Problem, arch:
 
 
 def per_element(code: KernelCode, loop: int, tile: tuple) -> dict:
-    """Thread-instructions per score element of one loop iteration, by class, and loads that pipeline."""
+    """Thread-instructions per score element of one loop iteration, in total and by class."""
     cost = code.loops[loop]
     scale = code.num_warps * 32 / (tile[0] * tile[1])
     return {"total": cost.instructions * scale, **{c: cost.counts.get(c, 0) * scale for c in CLASSES}}
