@@ -29,7 +29,7 @@ ARCHS = (80, 90)
 HEAD_DIMS = (64, 128)
 _DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 _INPUT_POINTERS = {"Q", "K", "V", "OUT", "DO", "DQ", "DK", "DV"}
-_FLOAT32_POINTERS = {"TAU", "BIAS", "LSE", "M_PART", "L_PART", "O_PART", "DELTA", "DTAU_PART", "DBIAS_PART"}
+_FLOAT32_POINTERS = {"TAU", "BIAS", "BAND", "LSE", "M_PART", "L_PART", "O_PART", "DELTA", "DTAU_PART", "DBIAS_PART"}
 _INT32_POINTERS = {"QPOS", "KPOS", "QSEG", "KSEG", "STATS"}
 
 
@@ -63,6 +63,7 @@ def shipped_builds(dtypes=(torch.bfloat16, torch.float16, torch.float32)) -> lis
         for dtype in dtypes:
             for dim in HEAD_DIMS:
                 builds += [Build("_lazy_fwd_kernel", "fwd", dtype, dim, arch),
+                           Build("_lazy_causal_fwd_kernel", "causal_fwd", dtype, dim, arch),
                            Build("_lazy_fwd_kernel", "decode", dtype, dim, arch),
                            Build("_lazy_fwd_split_lse_kernel", "decode", dtype, dim, arch),
                            Build("_lazy_fwd_split_out_kernel", "decode", dtype, dim, arch),
@@ -82,34 +83,44 @@ def _constexprs(module, build: Build) -> dict:
                 SKIP=True, WITH_STATS=False, UPCAST=False, PRECISION=module._DOT_PRECISION[build.dtype])
 
 
-def compile_build(module, build: Build):
-    """`triton.compile` one build; returns the compiled kernel (with .asm['ptx'], .asm['cubin'], .metadata)."""
+def aot_compile(fn, pointer_types: dict, constexprs: dict, arch: int, num_warps: int, num_stages: int):
+    """`triton.compile` a `@triton.jit` kernel for `sm_<arch>` without a GPU.
+
+    `pointer_types` maps each pointer argument to its element type ("bf16", "fp32", ...); every other
+    non-constexpr argument is an int32 except `scale*` arguments (float32). Pointers and `stride*` arguments
+    get the 16-divisibility the JIT sees for aligned tensors. Returns the compiled kernel (`.asm['ptx']`,
+    `.asm['cubin']`, `.metadata`).
+    """
     import triton
     from triton.backends.compiler import GPUTarget
 
-    fn = getattr(module, build.kernel)
-    constexprs = {k: v for k, v in _constexprs(module, build).items() if k in fn.arg_names}
+    constexprs = {k: v for k, v in constexprs.items() if k in fn.arg_names}
     signature, attrs = {}, {}
     for index, name in enumerate(fn.arg_names):
         if name in constexprs:
             signature[name] = "constexpr"
             continue
-        if name in _INPUT_POINTERS:
-            signature[name] = "*" + _DTYPE_NAMES[build.dtype]
-        elif name in _FLOAT32_POINTERS:
-            signature[name] = "*fp32"
-        elif name in _INT32_POINTERS:
-            signature[name] = "*i32"
-        elif name == "scaling":
+        if name in pointer_types:
+            signature[name] = "*" + pointer_types[name]
+        elif name.startswith("scal"):
             signature[name] = "fp32"
         else:
             signature[name] = "i32"
         if signature[name].startswith("*") or name.startswith("stride"):
             attrs[(index,)] = [["tt.divisibility", 16]]  # what the JIT sees for aligned tensors / D-multiple strides
-    _, _, num_warps, num_stages = module._config(build.kind, constexprs["BLOCK_D"], _family(build))
-    options = {"num_warps": num_warps, "num_stages": num_stages}
     source = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
-    return triton.compile(source, target=GPUTarget("cuda", build.arch, 32), options=options)
+    return triton.compile(source, target=GPUTarget("cuda", arch, 32),
+                          options={"num_warps": num_warps, "num_stages": num_stages})
+
+
+def compile_build(module, build: Build):
+    """`aot_compile` one build of the project's kernels with the launchers' blocks and warps."""
+    fn = getattr(module, build.kernel)
+    pointer_types = {name: _DTYPE_NAMES[build.dtype] for name in _INPUT_POINTERS}
+    pointer_types |= {name: "fp32" for name in _FLOAT32_POINTERS} | {name: "i32" for name in _INT32_POINTERS}
+    constexprs = _constexprs(module, build)
+    _, _, num_warps, num_stages = module._config(build.kind, constexprs["BLOCK_D"], _family(build))
+    return aot_compile(fn, pointer_types, constexprs, build.arch, num_warps, num_stages)
 
 
 def _cuobjdump() -> str:

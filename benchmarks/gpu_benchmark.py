@@ -7,10 +7,11 @@
 1. Correctness gate: output and the five gradients (q, k, v, distance_bias, tau) of the kernels against the
    float32 reference (`lazy_attention_reference`) for bf16 prefill (GQA, odd length, D 64/128, tau 0 and -1)
    and decode with a cache; any failure stops the run before a single time is printed.
-2. Prefill, bf16, causal, H*D = 2048, B*L = 16k, L in {1k .. 16k}: Lazy forward (tau 0 / -1, block skipping
-   on / off) and forward+backward against SDPA (flash backend), FlexAttention with a distance-bias
-   `score_mod` (+ causal block mask), and FlashAttention-2 when installed. Interleaved A B A B timing with CUDA
-   events after warm-up, median of 20. FA-equivalent TFLOP/s = FlashAttention FLOPs / time (causal forward
+2. Prefill, bf16, causal, H*D = 2048, B*L = 16k, L in {1k .. 16k}: Lazy forward (tau 0 / -1 on the causal
+   fast path the model takes; tau -1 also on the general path, block skipping on / off) and forward+backward
+   against SDPA (flash backend), FlexAttention with a distance-bias `score_mod` (+ causal block mask), and
+   FlashAttention-2 when installed. Interleaved A B A B timing with CUDA events after warm-up, median of 20.
+   FA-equivalent TFLOP/s = FlashAttention FLOPs / time (causal forward
    2*B*H*L^2*D, forward+backward 3.5x that); true TFLOP/s counts what the Lazy kernels do (forward 3 causal
    L x L x D products, FA 2; backward 9 more: Delta 2, dq 3, dk/dv 4).
 3. Tile density d (key tiles that pass 2 multiplied by V / visible tiles) for random inputs at tau = -1 and
@@ -185,14 +186,14 @@ def prefill_table(device, lengths, dims, tokens, with_flex, width=2048) -> None:
                 grad_sdpa = grad.transpose(1, 2) if backward else None
                 scaling = dim**-0.5
 
-                def lazy(tau, skip):
+                def lazy(tau, skip, causal=True):
                     def run():
                         if backward:
                             out = lazy_triton.lazy_attention_triton(q, k, v, tau, bias, meta, scaling)
                             torch.autograd.backward(out, grad)
                         else:
-                            lazy_triton._forward(q, k, v, tau, bias, *lazy_triton._kernel_inputs(k, v, meta)[2], scaling,
-                                                 skip=skip)
+                            lazy_triton._forward(q, k, v, tau, bias, *lazy_triton._kernel_inputs(k, v, meta)[2],
+                                                 scaling, skip=skip, causal=causal and meta.causal)
                     return run
 
                 def sdpa():
@@ -205,7 +206,8 @@ def prefill_table(device, lengths, dims, tokens, with_flex, width=2048) -> None:
 
                 functions = {"sdpa-flash": sdpa, "lazy tau=0": lazy(tau0, True), "lazy tau=-1": lazy(tau1, True)}
                 if not backward:
-                    functions["lazy tau=-1 no-skip"] = lazy(tau1, False)
+                    functions["lazy tau=-1 general"] = lazy(tau1, True, causal=False)
+                    functions["lazy tau=-1 general no-skip"] = lazy(tau1, False, causal=False)
                 fa2 = _fa2_callable(q, k, v, backward, grad)
                 if fa2 is not None:
                     functions["flash-attn-2"] = fa2

@@ -16,6 +16,9 @@ Kernels, in data-flow order:
     _lazy_fwd_split_lse_kernel / _lazy_fwd_split_out_kernel
                                split-K decode: each program covers a slice of the keys; partial (max, sum)
                                and partial outputs are combined with a few torch ops (no host sync)
+    _lazy_causal_fwd_kernel    the forward's causal fast path (`LazyMetadata.causal`, query length > 16): no
+                               per-key metadata, loop bounds instead of masks, the distance bias from a per-head
+                               band, exp2, loads Triton pipelines; dense (no tile skipping)
     _lazy_bwd_delta_kernel     backward preprocess: Delta_i = sum_j m p dP (float32) and per-tile d tau partials
     _lazy_bwd_dq_kernel        dq, FlashAttention-2 style with the elastic-softmax dS
     _lazy_bwd_dkdv_kernel      dk, dv (GQA: loops over the query heads of one KV head, never repeats K/V)
@@ -70,6 +73,8 @@ _CONFIGS = {
     "sm90": {
         ("fwd", 64): (128, 64, 8, 2),
         ("fwd", 128): (128, 32, 8, 2),
+        ("causal_fwd", 64): (128, 64, 8, 2),
+        ("causal_fwd", 128): (128, 64, 8, 2),
         ("decode", 64): (16, 64, 4, 2),
         ("decode", 128): (16, 64, 4, 2),
         ("delta", 64): (64, 64, 4, 2),
@@ -82,6 +87,8 @@ _CONFIGS = {
     "sm80": {
         ("fwd", 64): (64, 64, 8, 2),
         ("fwd", 128): (64, 32, 8, 2),
+        ("causal_fwd", 64): (128, 64, 8, 2),
+        ("causal_fwd", 128): (64, 32, 4, 2),
         ("decode", 64): (16, 64, 4, 2),
         ("decode", 128): (16, 64, 4, 2),
         ("delta", 64): (64, 64, 4, 2),
@@ -111,12 +118,12 @@ def _config(kind: str, block_d: int, family: str = "sm90") -> tuple[int, int, in
 
 
 @triton.jit
-def _dot(a, b, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
-    """`a @ b` with a float32 accumulator (operands upcast on the interpreter only)."""
+def _dot(a, b, UPCAST: tl.constexpr, PRECISION: tl.constexpr, acc=None):
+    """`acc + a @ b` (acc None: 0) with a float32 accumulator (operands upcast on the interpreter only)."""
     if UPCAST:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32))
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
     else:
-        return tl.dot(a, b, input_precision=PRECISION)
+        return tl.dot(a, b, acc, input_precision=PRECISION)
 
 
 @triton.jit
@@ -302,6 +309,152 @@ def _lazy_fwd_split_out_kernel(Q, K, V, TAU, BIAS, QPOS, KPOS, QSEG, KSEG, LSE, 
         stats = STATS + ((split * tl.num_programs(1) + pid_bh) * tl.num_programs(0) + pid_m) * 2
         tl.store(stats, visited)
         tl.store(stats + 1, visible_tiles)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Causal fast path (`LazyMetadata.causal`: no padding, one document per row). Query row i sees exactly keys
+# 0 .. i + offset (offset = Tk - Tq) at distance i + offset - j, so nothing per key is read: a query tile's key
+# tiles split by loop bounds into
+#     [0, far)      beyond the bias window for every row: scores only, no bias, no mask
+#     [far, full)   inside the window, visible to every row: bias from the band, no mask
+#     [full, hi)    crossing the causal limit (at most cdiv(BM, BN) + 1 tiles): band, masked loads
+# and the bias comes from a per-head band, `band[h, d + BM + BN] = log2(e) beta_h(d)`, -inf for d < 0 (so pass 1
+# needs no causal mask) and 0 beyond the window. Scores are in log2 units (`exp2`); every load is unconditional
+# so that Triton pipelines K and V (cp.async). A band tile is a gather (one 4-byte load per score). Pass 2 adds
+# it to the scaled q k^T and Triton pipelines it too, through shared memory into the product's register layout
+# (it feeds the `a @ V` product). Pass 1 has no second product, so its band load is not pipelined and must
+# change register layout through shared memory: starting q k^T from it (the accumulator, with the band in q.k
+# units, `beta / scaling`) does that once per tile, where adding it afterwards did it twice.
+# ---------------------------------------------------------------------------------------------------
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _causal_key_ranges(m0, Tq, Tk, W, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """`(far, full, hi)` key bounds of the query rows [m0, m0 + BM) (see the section comment)."""
+    offset = Tk - Tq
+    hi = tl.minimum(Tk, m0 + BLOCK_M + offset)
+    full = (m0 + offset + 1) // BLOCK_N * BLOCK_N  # keys below it are visible to row m0, hence to every row
+    far = tl.maximum(m0 + offset - W + 1, 0) // BLOCK_N * BLOCK_N  # keys below it are >= W behind every row
+    return far, full, hi
+
+
+@triton.jit
+def _load_keys(ptr, stride, keys, offs_d, Tk, D: tl.constexpr, BLOCK_D: tl.constexpr, MASK_KEYS: tl.constexpr):
+    """`[BN, BLOCK_D]` rows `keys` of a `[Tk, D]` matrix; only the tiles at the causal limit can pass Tk."""
+    ptrs = ptr + keys[:, None] * stride + offs_d[None, :]
+    if MASK_KEYS:
+        return tl.load(ptrs, mask=(keys[:, None] < Tk) & (offs_d[None, :] < D), other=0.0)
+    elif D < BLOCK_D:
+        return tl.load(ptrs, mask=offs_d[None, :] < D, other=0.0)
+    else:
+        return tl.load(ptrs)
+
+
+@triton.jit
+def _causal_scores(q, k, band, start_n, diagonal, scale_log2, BIAS: tl.constexpr, BIAS_FIRST: tl.constexpr,
+                   UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    """`[BM, BN]` float32 scores in log2 units; `band - start_n + diagonal` points at each entry's band value:
+    in q.k units starting the q k^T accumulator (`BIAS_FIRST`, pass 1), or in log2 units added after it."""
+    if BIAS and BIAS_FIRST:
+        return _dot(q, tl.trans(k), UPCAST, PRECISION, tl.load(band - start_n + diagonal)) * scale_log2
+    elif BIAS:
+        return _dot(q, tl.trans(k), UPCAST, PRECISION) * scale_log2 + tl.load(band - start_n + diagonal)
+    else:
+        return _dot(q, tl.trans(k), UPCAST, PRECISION) * scale_log2
+
+
+@triton.jit
+def _causal_lse_tiles(q, m_i, l_i, K, stride_kt, band, diagonal, lo, hi, Tk, scale_log2,
+                      BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, D: tl.constexpr, BIAS: tl.constexpr,
+                      MASK_KEYS: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    """Pass 1 over key tiles [lo, hi): running row max and sum of exp2 (log2 units)."""
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    for start_n in range(lo, hi, BLOCK_N):
+        k = _load_keys(K, stride_kt, start_n + offs_n, offs_d, Tk, D, BLOCK_D, MASK_KEYS)
+        s = _causal_scores(q, k, band, start_n, diagonal, scale_log2, BIAS, True, UPCAST, PRECISION)  # [BM, BN]
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        l_i = l_i * tl.exp2(m_i - m_new) + tl.sum(tl.exp2(s - m_new[:, None]), 1)
+        m_i = m_new
+    return m_i, l_i
+
+
+@triton.jit
+def _causal_out_tiles(q, acc, K, V, stride_kt, stride_vt, band, diagonal, q_key_idx, lse2, threshold, lo, hi, Tk,
+                      scale_log2, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, D: tl.constexpr,
+                      BIAS: tl.constexpr, DIAGONAL: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    """Pass 2 over key tiles [lo, hi): `acc += ReLU(p + tau/n) @ V`; `DIAGONAL` tiles mask later keys (with
+    tau > 0 a masked key would otherwise get tau/n, not 0)."""
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    for start_n in range(lo, hi, BLOCK_N):
+        keys = start_n + offs_n
+        k = _load_keys(K, stride_kt, keys, offs_d, Tk, D, BLOCK_D, DIAGONAL)
+        v = _load_keys(V, stride_vt, keys, offs_d, Tk, D, BLOCK_D, DIAGONAL)
+        s = _causal_scores(q, k, band, start_n, diagonal, scale_log2, BIAS, False, UPCAST, PRECISION)  # [BM, BN]
+        a = tl.maximum(tl.exp2(s - lse2[:, None]) + threshold[:, None], 0.0)  # float32 threshold test
+        if DIAGONAL:
+            a = tl.where(keys[None, :] <= q_key_idx[:, None], a, 0.0)
+        acc += _dot(a.to(v.dtype), v, UPCAST, PRECISION)
+    return acc
+
+
+@triton.jit
+def _lazy_causal_fwd_kernel(Q, K, V, TAU, BAND, QPOS, OUT, LSE,
+                            stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt,
+                            stride_vb, stride_vh, stride_vt, stride_ob, stride_oh, stride_ot,
+                            Hq, Tq, Tk, W, GROUPS, BAND_LEN, scale_log2,
+                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, D: tl.constexpr,
+                            UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    """Causal fast path, one query tile of one query head: pass 1 (LSE), pass 2 (output), each as three loops
+    (beyond the window / inside it / at the causal limit). Grid: (cdiv(Tq, BM), B * Hq). LSE in natural units."""
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // Hq).to(tl.int64)
+    h = pid_bh % Hq
+    hk = (h // GROUPS).to(tl.int64)
+    m0 = pid_m * BLOCK_M
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    rows = m0 + offs_m
+    row_mask = rows < Tq
+    q = _load_rows(Q + b * stride_qb + h.to(tl.int64) * stride_qh, stride_qt, rows, offs_d, Tq, D)
+    q_pos = tl.load(QPOS + b * Tq + rows, mask=row_mask, other=0)
+    far, full, hi = _causal_key_ranges(m0, Tq, Tk, W, BLOCK_M, BLOCK_N)
+    K_ = K + b * stride_kb + hk * stride_kh
+    V_ = V + b * stride_vb + hk * stride_vh
+    band = BAND + h * BAND_LEN + (BLOCK_M + BLOCK_N) + m0 + Tk - Tq  # band of distance m0 + offset - start_n
+    band_qk = band + Hq * BAND_LEN  # the same in q.k units (pass 1)
+    diagonal = offs_m[:, None] - tl.arange(0, BLOCK_N)[None, :]  # [BM, BN] row - column
+
+    m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)  # finite: a tile of -inf scores keeps exp2() at 0, never NaN
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    m_i, l_i = _causal_lse_tiles(q, m_i, l_i, K_, stride_kt, band, diagonal, 0, far, Tk, scale_log2,
+                                 BLOCK_N, BLOCK_D, D, False, False, UPCAST, PRECISION)
+    m_i, l_i = _causal_lse_tiles(q, m_i, l_i, K_, stride_kt, band_qk, diagonal, far, full, Tk, scale_log2,
+                                 BLOCK_N, BLOCK_D, D, True, False, UPCAST, PRECISION)
+    m_i, l_i = _causal_lse_tiles(q, m_i, l_i, K_, stride_kt, band_qk, diagonal, full, hi, Tk, scale_log2,
+                                 BLOCK_N, BLOCK_D, D, True, True, UPCAST, PRECISION)
+    # a row whose scores are all -inf has no normaliser: p = 0 on every key and no weight (threshold 0 here; the
+    # stored LSE is DEAD_ROW_LSE, which the general backward recognises)
+    alive = l_i > 0.0
+    lse2 = tl.where(alive, m_i + tl.log2(tl.where(alive, l_i, 1.0)), float("inf"))
+    threshold = tl.where(alive, tl.load(TAU + h) / (q_pos + 1).to(tl.float32), 0.0)
+
+    q_key_idx = rows + Tk - Tq
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    acc = _causal_out_tiles(q, acc, K_, V_, stride_kt, stride_vt, band, diagonal, q_key_idx, lse2, threshold, 0, far,
+                            Tk, scale_log2, BLOCK_N, BLOCK_D, D, False, False, UPCAST, PRECISION)
+    acc = _causal_out_tiles(q, acc, K_, V_, stride_kt, stride_vt, band, diagonal, q_key_idx, lse2, threshold, far,
+                            full, Tk, scale_log2, BLOCK_N, BLOCK_D, D, True, False, UPCAST, PRECISION)
+    acc = _causal_out_tiles(q, acc, K_, V_, stride_kt, stride_vt, band, diagonal, q_key_idx, lse2, threshold, full,
+                            hi, Tk, scale_log2, BLOCK_N, BLOCK_D, D, True, True, UPCAST, PRECISION)
+    out_ptrs = OUT + b * stride_ob + h.to(tl.int64) * stride_oh + rows[:, None] * stride_ot + offs_d[None, :]
+    tl.store(out_ptrs, acc.to(OUT.dtype.element_ty), mask=row_mask[:, None] & (offs_d[None, :] < D))
+    tl.store(LSE + pid_bh.to(tl.int64) * Tq + rows, tl.where(alive, lse2 * 0.6931471805599453, _DEAD_ROW_LSE),
+             mask=row_mask)
 
 
 @triton.jit
@@ -525,18 +678,36 @@ def _device_splits(batch_heads: int, q_tiles: int, key_length: int, device: torc
     return max(1, min(triton.cdiv(2 * sms, programs), key_length // SPLIT_MIN_KEYS))
 
 
+def _bias_band(distance_bias: torch.Tensor, scaling: float, block_m: int, block_n: int) -> torch.Tensor:
+    """`[2, Hq, W + 2 (BM + BN)]` float32 for the causal fast path: at index `d + BM + BN`, `log2(e) beta_h(d)`
+    (row 0, log2 units) and `beta_h(d) / scaling` (row 1, q.k units); -inf for d < 0 (keys after the row), 0 for
+    d >= W (beyond the window)."""
+    heads, window = distance_bias.shape
+    neg = block_m + block_n
+    band = torch.zeros(2, heads, window + 2 * neg, dtype=torch.float32, device=distance_bias.device)
+    band[:, :, :neg] = float("-inf")
+    bias = distance_bias.detach().to(torch.float32)
+    band[0, :, neg:neg + window] = bias * LOG2E
+    band[1, :, neg:neg + window] = bias / scaling
+    return band
+
+
 def _forward(query, key, value, tau, distance_bias, q_pos, k_pos, q_seg, k_seg, scaling,
-             skip=True, num_splits=None, with_stats=False):
+             skip=True, num_splits=None, with_stats=False, causal=False):
     """Launch the forward. Returns `(out [B, Tq, Hq, D], lse [B, Hq, Tq] float32, stats int32 or None)`.
 
-    `num_splits` (None: automatic) > 1 runs the split-K kernels (only used for query length <= 16).
-    `stats` (only when `with_stats`) holds per program `(visited key tiles, visible key tiles)`.
+    `causal` (the metadata's plain causal layout) runs the causal fast path for query lengths > 16: dense (no
+    tile skipping, `skip` is ignored), reads no per-key metadata. `num_splits` (None: automatic) > 1 runs the
+    split-K kernels (only used for query length <= 16). `stats` (only when `with_stats`, general path) holds per
+    program `(visited key tiles, visible key tiles)`.
     """
     block_d = _check_inputs(query, key)
     bsz, num_heads, q_len, dim = query.shape
     kv_heads, k_len, window = key.shape[1], key.shape[2], distance_bias.shape[-1]
     query, key, value = (_last_dim_contiguous(x) for x in (query, key, value))
     decode = q_len <= DECODE_MAX_QUERIES
+    if causal and not decode and not with_stats:
+        return _causal_forward(query, key, value, tau, distance_bias, q_pos, scaling, block_d) + (None,)
     block_m, block_n, num_warps, num_stages = _config("decode" if decode else "fwd", block_d,
                                                       _gpu_family(query.device))
     q_tiles = triton.cdiv(q_len, block_m)
@@ -579,6 +750,24 @@ def _forward(query, key, value, tau, distance_bias, q_pos, k_pos, q_seg, k_seg, 
         SKIP=skip, WITH_STATS=with_stats, **meta)
     out = o_part.sum(0).to(query.dtype)
     return out, lse, stats.sum(0) if with_stats else None
+
+
+def _causal_forward(query, key, value, tau, distance_bias, q_pos, scaling, block_d):
+    """The causal fast-path forward: `(out [B, Tq, Hq, D], lse [B, Hq, Tq] float32)`."""
+    bsz, num_heads, q_len, dim = query.shape
+    kv_heads, k_len = key.shape[1], key.shape[2]
+    block_m, block_n, num_warps, num_stages = _config("causal_fwd", block_d, _gpu_family(query.device))
+    band = _bias_band(distance_bias, scaling, block_m, block_n)
+    out = torch.empty(bsz, q_len, num_heads, dim, dtype=query.dtype, device=query.device)
+    lse = torch.empty(bsz, num_heads, q_len, dtype=torch.float32, device=query.device)
+    _lazy_causal_fwd_kernel[(triton.cdiv(q_len, block_m), bsz * num_heads)](
+        query, key, value, tau.detach().to(torch.float32).contiguous(), band, q_pos, out, lse,
+        query.stride(0), query.stride(1), query.stride(2), key.stride(0), key.stride(1), key.stride(2),
+        value.stride(0), value.stride(1), value.stride(2), out.stride(0), out.stride(2), out.stride(1),
+        num_heads, q_len, k_len, distance_bias.shape[-1], num_heads // kv_heads, band.shape[-1], scaling * LOG2E,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, D=dim, UPCAST=_INTERPRET,
+        PRECISION=_DOT_PRECISION[query.dtype], num_warps=num_warps, num_stages=num_stages)
+    return out, lse
 
 
 def _backward(grad_out, query, key, value, tau, distance_bias, q_pos, k_pos, q_seg, k_seg, lse, scaling,
@@ -637,7 +826,8 @@ class LazyAttentionTritonFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, query, key, value, tau, distance_bias, metadata: "LazyMetadata", scaling):
         key_used, value_used, positions = _kernel_inputs(key, value, metadata)
-        out, lse, _ = _forward(query, key_used, value_used, tau, distance_bias, *positions, scaling)
+        out, lse, _ = _forward(query, key_used, value_used, tau, distance_bias, *positions, scaling,
+                               causal=metadata.causal)
         ctx.save_for_backward(query, key, value, tau, distance_bias, lse)
         ctx.lazy_metadata, ctx.scaling = metadata, scaling
         return out

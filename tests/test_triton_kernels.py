@@ -84,12 +84,13 @@ def metadata(bsz, q_len, k_len, pad=None, docs=None):
     return q_pos, k_pos, q_seg, k_seg
 
 
-def as_metadata(q_pos, k_pos, q_seg, k_seg):
-    """The project's `LazyMetadata` for the tensors above (general layout: no fast-path assumption)."""
+def as_metadata(q_pos, k_pos, q_seg, k_seg, causal=False):
+    """The project's `LazyMetadata` for the tensors above (`causal`: the caller vouches for the plain causal layout,
+    which lets the kernels take their causal fast path)."""
     from modeling_lazy.lazy_attention_reference import LazyMetadata
 
     offset = k_pos.shape[1] - q_pos.shape[1]
-    return LazyMetadata(q_pos, k_pos, q_seg, k_seg, offset, False, q_pos.to(torch.int32), k_pos.to(torch.int32))
+    return LazyMetadata(q_pos, k_pos, q_seg, k_seg, offset, causal, q_pos.to(torch.int32), k_pos.to(torch.int32))
 
 
 def int32(meta):
@@ -111,7 +112,7 @@ def relative_error(actual, expected):
     return ((actual.double() - expected).abs().max() / expected.abs().max().clamp_min(1e-12)).item()
 
 
-def check(kernels, inputs, meta, dtype, key_view=False):
+def check(kernels, inputs, meta, dtype, key_view=False, causal=False):
     """Output and the five gradients of `lazy_attention_triton` against the float64 reference."""
     query, key, value, tau, distance_bias, grad = inputs
     scaling = query.shape[-1] ** -0.5
@@ -121,7 +122,7 @@ def check(kernels, inputs, meta, dtype, key_view=False):
     if key_view:  # non-contiguous key/value, as a cache slice would give
         k_in = torch.cat([leaves[1], leaves[1]], dim=2)[:, :, : key.shape[2]]
         v_in = leaves[2].transpose(1, 2).contiguous().transpose(1, 2)
-    out = kernels.lazy_attention_triton(leaves[0], k_in, v_in, *leaves[3:], as_metadata(*meta), scaling)
+    out = kernels.lazy_attention_triton(leaves[0], k_in, v_in, *leaves[3:], as_metadata(*meta, causal), scaling)
     expected = reference(*ref_leaves, *meta, scaling)
     assert out.dtype == dtype and out.shape == expected.shape
     out.backward(grad.to(dtype))
@@ -234,6 +235,27 @@ def dead_rows_and_longer_key_buffer(kernels):
     return errors
 
 
+def causal_fast_path(kernels):
+    """The causal fast-path forward (plain causal metadata), backward through the general kernels, against the
+    float64 reference: a window short enough for all three key ranges (beyond the window, inside it, at the causal
+    limit), an odd length, GQA, tau of both signs, and a chunked prefill after cached keys (key offset) at D 128."""
+    calls = []
+    original = kernels._causal_forward
+    kernels._causal_forward = lambda *args: calls.append(1) or original(*args)
+    try:
+        errors = {}
+        for name, (dtype, bsz, heads, kv_heads, q_len, k_len, dim, window, tau) in {
+            "three-ranges-gqa2-fp32": (torch.float32, 1, 4, 2, 300, 300, 64, 16, TAU_MIXED[:4]),
+            "after-cache-d128-bf16": (torch.bfloat16, 2, 2, 1, 40, 100, 128, 24, TAU_MIXED[:2]),
+        }.items():
+            inputs = make_inputs(bsz, heads, kv_heads, q_len, k_len, dim, window, dtype, tau)
+            errors[name] = check(kernels, inputs, metadata(bsz, q_len, k_len), dtype, causal=True)
+    finally:
+        kernels._causal_forward = original
+    assert len(calls) == 2, calls
+    return errors
+
+
 def refuses_what_it_cannot_run(kernels):
     q = torch.zeros(1, 1, 4, 300)
     with pytest.raises(ValueError, match="head_dim"):
@@ -283,6 +305,7 @@ CASES = {
     "split-k-decode-and-skip-off": split_k_decode_and_skip_off_match,
     "tile-density-counts": tile_density_counts,
     "dead-rows-and-longer-key-buffer": dead_rows_and_longer_key_buffer,
+    "causal-fast-path": causal_fast_path,
     "refuses-what-it-cannot-run": refuses_what_it_cannot_run,
     "model-greedy-generation-triton-vs-eager": model_greedy_generation_matches_eager,
 }

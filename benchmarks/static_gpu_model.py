@@ -1,0 +1,691 @@
+"""Static GPU time model of the Lazy Attention Triton kernels against FlashAttention-2-style kernels (no GPU).
+
+    python -m benchmarks.static_gpu_model                          # full table, sm_90 and sm_80, D 64/128
+    python -m benchmarks.static_gpu_model --json out.json          # also the raw counts and model inputs
+    python -m benchmarks.static_gpu_model --arch 90 --dims 64      # a subset
+
+Every kernel is compiled ahead of time (`benchmarks/aot_compile_table.py`: Triton's own ptxas) for sm_90 /
+sm_80 in bf16 at the launchers' blocks; the cubin is disassembled with the `nvdisasm` shipped in the triton
+wheel and split into basic blocks. In each kernel the innermost loops that contain tensor-core instructions
+(HGMMA / HMMA) are the key-tile (or query-tile) loops; each is costed on its *dense path* (the heaviest
+acyclic path from loop head to back branch: a visible tile whose weights are not all zero, so every `if`
+inside the loop is taken) and everything outside those loops once per program.
+
+Model (per SM per clock, warp-instructions; H100/H200 for sm_90, A100 for sm_80):
+
+    tensor    HGMMA 4096 dense bf16 FLOP (mma.sync HMMA 2048 on sm_90; 2048 on sm_80)
+    issue     4       every SASS instruction takes an issue slot
+    fma       4 (2)   FFMA/FMUL/FADD; IMAD at half rate                      (sm_80: 2, IMAD 1)
+    alu       2       integer, compare/select, min/max, logic, 32/64-bit address arithmetic, packing
+    mufu      0.5     MUFU.EX2/LG2/RCP and int<->float conversions
+    lsu       1       global/shared loads and stores, cp.async, atomics, shuffles
+
+    cycles per loop iteration  = tensor + max(issue, fma, alu, mufu, lsu)     ("serial": no overlap of the
+                                 tensor cores with the CUDA cores; an upper bound of what warp scheduling hides)
+    kernel time                = max(sum over programs and iterations / (SMs x clock), DRAM bytes / bandwidth)
+
+DRAM bytes are counted per kernel from the tensors it reads and writes; a tensor is read once per kernel
+(programs running at the same time share it through L2) except where a later pass re-reads it after a
+working set far larger than L2 (the Lazy decode passes). Not modelled: latency and occupancy (a loop
+without pipelined loads waits on every load: the `pipelined loads` column says which loops can hide it),
+wave quantisation, L2 bandwidth and atomic throughput (listed per loop), clock changes.
+
+The yardsticks are FlashAttention-2-style kernels written for this model (`benchmarks/fa2_reference_kernels.py`):
+a causal forward, a 5-matmul backward with float32 atomic dq, and a split-K decode with the GQA group packed
+as rows (what FlashAttention's decode does); they are compiled the same way.
+"""
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks.aot_compile_table import aot_compile, load_kernels  # noqa: E402
+
+# ---------------------------------------------------------------------------------------------------
+# Hardware
+# ---------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Machine:
+    name: str
+    sms: int
+    clock_hz: float
+    dram_bytes_per_s: float
+    tensor_flop: dict  # per SM per clock, by tensor instruction (HGMMA / HMMA)
+    pipes: dict  # warp-instructions per SM per clock
+
+
+MACHINES = {
+    90: Machine("H100/H200 (sm_90)", 132, 1.83e9, 4.8e12, {"HGMMA": 4096, "HMMA": 2048},
+                {"issue": 4, "fma": 4, "alu": 2, "mufu": 0.5, "lsu": 1}),
+    80: Machine("A100 (sm_80)", 108, 1.41e9, 2.0e12, {"HMMA": 2048},
+                {"issue": 4, "fma": 2, "alu": 2, "mufu": 0.5, "lsu": 1}),
+}
+IMAD_COST = {90: 2, 80: 2}  # fma-pipe slots per IMAD (half rate)
+
+# ---------------------------------------------------------------------------------------------------
+# SASS: parse, basic blocks, loops, dense path
+# ---------------------------------------------------------------------------------------------------
+
+_LINE = re.compile(r"^\s*/\*([0-9a-f]{4,})\*/\s+(@!?U?P[T0-9]+\s+)?([A-Z][A-Za-z0-9_.]*)\s*([^;]*);")
+_LABEL = re.compile(r"^(\.L_x_\d+):")
+_TARGET = re.compile(r"`\((\.L_x_\d+)\)")
+
+
+@dataclass
+class Instr:
+    address: int
+    opcode: str  # mnemonic with modifiers, e.g. "HGMMA.64x64x16.F32.BF16"
+    predicated: bool
+    operands: str
+
+    @property
+    def base(self) -> str:
+        return self.opcode.split(".")[0]
+
+
+@dataclass
+class Block:
+    label: str | None
+    instrs: list = field(default_factory=list)
+
+
+def _nvdisasm() -> str:
+    import triton
+
+    return str(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm")
+
+
+def disassemble(cubin: bytes) -> str:
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "kernel.cubin"
+        path.write_bytes(cubin)
+        return subprocess.run([_nvdisasm(), "-c", str(path)], check=True, capture_output=True, text=True).stdout
+
+
+def basic_blocks(sass: str) -> list[Block]:
+    """Split the disassembly at labels and after every branch or exit."""
+    blocks = [Block(None)]
+    for line in sass.splitlines():
+        label = _LABEL.match(line)
+        if label:
+            blocks.append(Block(label.group(1)))
+            continue
+        match = _LINE.match(line)
+        if not match:
+            continue
+        instr = Instr(int(match.group(1), 16), match.group(3), match.group(2) is not None, match.group(4))
+        if blocks[-1].instrs and blocks[-1].instrs[-1].base in ("BRA", "EXIT", "JMP", "RET"):
+            blocks.append(Block(None))
+        blocks[-1].instrs.append(instr)
+    return [b for b in blocks if b.instrs]
+
+
+@dataclass
+class Loop:
+    head: int  # block indices (address order); the loop is blocks[head : latch + 1]
+    latch: int
+    dense_path: list  # instructions on the heaviest path head -> back branch
+
+    def contains(self, other: "Loop") -> bool:
+        return self is not other and self.head <= other.head and other.latch <= self.latch
+
+
+def _successors(blocks, index, labels) -> list[int]:
+    last = blocks[index].instrs[-1]
+    succ = []
+    if last.base in ("BRA", "JMP"):
+        target = _TARGET.search(last.operands)
+        if target and target.group(1) in labels:
+            succ.append(labels[target.group(1)])
+        if last.predicated or ".DIV" in last.opcode:
+            succ.append(index + 1)
+    elif not (last.base in ("EXIT", "RET") and not last.predicated):
+        succ.append(index + 1)
+    return [s for s in succ if s < len(blocks)]
+
+
+def find_loops(blocks: list[Block]) -> list[Loop]:
+    """Natural loops from backward branches; the dense path is the longest forward path through the body."""
+    labels = {b.label: i for i, b in enumerate(blocks) if b.label}
+    loops = []
+    for latch, block in enumerate(blocks):
+        last = block.instrs[-1]
+        target = _TARGET.search(last.operands) if last.base == "BRA" else None
+        if not target or labels.get(target.group(1), latch + 1) > latch:
+            continue
+        head = labels[target.group(1)]
+        best = {head: (len(blocks[head].instrs), [head])}  # longest path (instruction count) to each block
+        for i in range(head, latch + 1):
+            if i not in best:
+                continue
+            for j in _successors(blocks, i, labels):
+                if i < j <= latch:
+                    weight = best[i][0] + len(blocks[j].instrs)
+                    if j not in best or weight > best[j][0]:
+                        best[j] = (weight, best[i][1] + [j])
+        if latch in best:
+            loops.append(Loop(head, latch, [ins for i in best[latch][1] for ins in blocks[i].instrs]))
+    return loops
+
+
+def tensor_loops(blocks: list[Block]) -> tuple[list[Loop], list[Instr]]:
+    """Innermost loops holding tensor-core instructions (address order), and the instructions outside them."""
+    loops = [lp for lp in find_loops(blocks) if any(i.base in ("HGMMA", "HMMA") for i in lp.dense_path)]
+    innermost = [lp for lp in loops if not any(lp.contains(other) for other in loops)]
+    inside = {i for lp in innermost for i in range(lp.head, lp.latch + 1)}
+    outside = [ins for i, b in enumerate(blocks) if i not in inside for ins in b.instrs]
+    return sorted(innermost, key=lambda lp: lp.head), outside
+
+
+# ---------------------------------------------------------------------------------------------------
+# Instruction classes and the cost model
+# ---------------------------------------------------------------------------------------------------
+
+CLASSES = ("tensor", "mufu", "fp32", "fcmp", "isetp/sel", "int", "addr64", "ldg", "async_copy", "stg",
+           "atomic", "shared", "shfl", "bar/sync", "other")
+_FP32 = {"FFMA", "FMUL", "FADD", "FFMA2", "FMUL2", "FADD2", "HFMA2", "HMUL2", "HADD2", "FSWZADD"}
+_FCMP = {"FMNMX", "FSETP", "FSEL", "FSET", "FMNMX3"}
+_ISETP = {"ISETP", "SEL", "PLOP3", "P2R", "R2P", "ICMP", "UISETP"}
+_INT_ALU = {"IADD3", "LOP3", "SHF", "LEA", "IABS", "IMNMX", "VIADD", "VIMNMX", "PRMT", "FLO", "POPC", "BREV",
+            "SGXT", "BMSK", "IADD", "VIADDMNMX", "F2FP", "I2IP", "HMNMX2", "LOP"}
+_CONVERT = {"F2I", "I2F", "F2F", "FRND", "I2FP", "F2IP"}
+_ASYNC = {"LDGSTS", "UTMALDG", "UBLKCP", "UTMAPF"}
+_STORE = {"STG", "ST", "LD", "LDL", "STL"}
+_ATOMIC = {"ATOM", "ATOMG", "RED", "REDG"}
+_SHARED = {"LDS", "STS", "LDSM", "STSM", "ATOMS"}
+_SHFL = {"SHFL", "REDUX", "MATCH"}
+_SYNC = {"BAR", "SYNCS", "WARPGROUP", "DEPBAR", "LDGDEPBAR", "MEMBAR", "FENCE", "ARRIVES", "WARPSYNC", "BSSY", "BSYNC",
+         "ERRBAR", "CCTL", "UCGABAR_ARV", "UCGABAR_WAIT"}
+
+
+def classify(instr: Instr) -> tuple[str, str | None, int]:
+    """`(class, pipe or None for issue-only, pipe slots)` of one SASS instruction."""
+    base, op = instr.base, instr.opcode
+    wide = "X" in op.split(".")[1:] or op.startswith("IMAD.WIDE") or op.startswith("LEA.HI")  # 64-bit pairs
+    if base in ("HGMMA", "HMMA"):
+        return "tensor", None, 0
+    if base == "MUFU" or base in _CONVERT:
+        return "mufu", "mufu", 1
+    if base in _FP32:
+        return "fp32", "fma", 1
+    if base in _FCMP:
+        return "fcmp", "alu", 1
+    if base in _ISETP:
+        return "isetp/sel", "alu", 1
+    if base == "IMAD":
+        return ("addr64" if wide else "int"), "fma", "IMAD"
+    if base in _INT_ALU:
+        return ("addr64" if wide else "int"), "alu", 1
+    if base == "LDG":
+        return "ldg", "lsu", 1
+    if base in _ASYNC:
+        return "async_copy", "lsu", 1
+    if base in _STORE:
+        return "stg", "lsu", 1
+    if base in _ATOMIC:
+        return "atomic", "lsu", 1
+    if base in _SHARED:
+        return "shared", "lsu", 1
+    if base in _SHFL:
+        return "shfl", "lsu", 1
+    if base in _SYNC:
+        return "bar/sync", None, 0
+    return "other", None, 0  # moves, uniform datapath, special registers, branches, nops: issue only
+
+
+_HGMMA = re.compile(r"^HGMMA\.(\d+)x(\d+)x(\d+)")
+_HMMA = re.compile(r"^HMMA\.168(\d+)")  # HMMA.16816 (m16 n8 k16), HMMA.1688 (m16 n8 k8)
+
+
+def tensor_flop_per_warp(instr: Instr) -> int:
+    """FLOP one warp contributes: HGMMA.MxNxK is a warpgroup (4 warps) instruction; HMMA.168K one warp's."""
+    match = _HGMMA.match(instr.opcode)
+    if match:
+        m, n, k = (int(g) for g in match.groups())
+        return 2 * m * n * k // 4
+    match = _HMMA.match(instr.opcode)
+    if match:
+        return 2 * 16 * 8 * int(match.group(1))
+    raise ValueError(f"unknown tensor instruction shape: {instr.opcode}")
+
+
+@dataclass
+class Cost:
+    """Counts per warp for one loop iteration (or one program's code outside the loops) and its cycles per SM."""
+    counts: dict  # class -> warp-instructions
+    instructions: int
+    tensor_flop: dict  # HGMMA/HMMA -> FLOP per warp
+    pipes: dict  # pipe -> warp-instruction slots per warp
+
+    def cycles(self, arch: int, num_warps: int) -> dict:
+        machine = MACHINES[arch]
+        tensor = sum(flop * num_warps / machine.tensor_flop.get(kind, machine.tensor_flop["HMMA"])
+                     for kind, flop in self.tensor_flop.items())
+        pipe = {"issue": self.instructions * num_warps / machine.pipes["issue"]}
+        for name in ("fma", "alu", "mufu", "lsu"):
+            pipe[name] = self.pipes.get(name, 0) * num_warps / machine.pipes[name]
+        bound = max(pipe, key=pipe.get)
+        return {"tensor": tensor, **pipe, "bound": bound, "serial": tensor + pipe[bound],
+                "overlapped": max(tensor, pipe[bound])}
+
+
+def count(instrs: list[Instr], arch: int) -> Cost:
+    counts, pipes, flop = Counter(), Counter(), Counter()
+    for instr in instrs:
+        cls, pipe, slots = classify(instr)
+        counts[cls] += 1
+        if pipe:
+            pipes[pipe] += IMAD_COST[arch] if slots == "IMAD" else slots
+        if cls == "tensor":
+            flop[instr.base] += tensor_flop_per_warp(instr)
+    return Cost(dict(counts), len(instrs), dict(flop), dict(pipes))
+
+
+@dataclass
+class KernelCode:
+    """One compiled kernel: its tensor-core loops (address order) and the code outside them."""
+    name: str
+    arch: int
+    num_warps: int
+    registers: int
+    spill: int
+    loops: list  # Cost per loop
+    outside: Cost
+
+
+def analyse(name: str, compiled, arch: int) -> KernelCode:
+    from benchmarks.aot_compile_table import resource_usage
+
+    blocks = basic_blocks(disassemble(compiled.asm["cubin"]))
+    loops, outside = tensor_loops(blocks)
+    usage = resource_usage(compiled)
+    return KernelCode(name, arch, compiled.metadata.num_warps, usage["registers"], usage["spill"],
+                      [count(lp.dense_path, arch) for lp in loops], count(outside, arch))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Kernels to compile and their work for a given problem
+# ---------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Problem:
+    """Causal self-attention (prefill / training) or one-token decode against a cache of `length` keys."""
+    batch: int
+    heads: int
+    kv_heads: int
+    length: int
+    dim: int
+    window: int = 1024
+
+    @property
+    def groups(self) -> int:
+        return self.heads // self.kv_heads
+
+
+@dataclass
+class Work:
+    programs: int
+    iterations: list  # per tensor-core loop (address order), summed over programs
+    dram_bytes: float
+    tile: tuple  # (rows, cols) of the score tile of one loop iteration
+
+
+@dataclass(frozen=True)
+class KernelSpec:
+    """How to compile one kernel (module, function, blocks) and what work it does for a problem."""
+    label: str
+    source: str  # "lazy" (modeling_lazy/lazy_attention_triton.py) or "fa2" (benchmarks/fa2_reference_kernels.py)
+    function: str
+    kind: str  # block-table key
+    work: object  # (problem, blocks, num_sms) -> Work
+
+
+def _cdiv(a, b):
+    return -(-a // b)
+
+
+def _bytes(*tensors_elements, elem=2):
+    return sum(tensors_elements) * elem
+
+
+def _lazy_fwd_work(p: Problem, blocks, sms):
+    bm, bn = blocks
+    tiles = [_cdiv(min(p.length, (m + 1) * bm), bn) for m in range(_cdiv(p.length, bm))]
+    bh = p.batch * p.heads
+    qkvo = _bytes(2 * bh * p.length * p.dim, 2 * p.batch * p.kv_heads * p.length * p.dim)
+    return Work(bh * len(tiles), [bh * sum(tiles)] * 2, qkvo + 4 * bh * p.length, (bm, bn))
+
+
+def _causal_ranges(p: Problem, m0: int, bm: int, bn: int) -> tuple[int, int, int]:
+    """Key tiles of the causal fast path's three loops for query rows [m0, m0 + BM) (its `_causal_key_ranges`)."""
+    hi = min(p.length, m0 + bm)
+    full = (m0 + 1) // bn * bn
+    far = max(m0 - p.window + 1, 0) // bn * bn
+    return far // bn, (full - far) // bn, _cdiv(max(hi - full, 0), bn)
+
+
+def _lazy_causal_fwd_work(p: Problem, blocks, sms):
+    """Pass 1 and pass 2, each: beyond the window, inside it, at the causal limit."""
+    bm, bn = blocks
+    ranges = [_causal_ranges(p, m * bm, bm, bn) for m in range(_cdiv(p.length, bm))]
+    bh = p.batch * p.heads
+    per_loop = [bh * sum(r[i] for r in ranges) for i in range(3)]
+    qkvo = _bytes(2 * bh * p.length * p.dim, 2 * p.batch * p.kv_heads * p.length * p.dim)
+    return Work(bh * len(ranges), per_loop * 2, qkvo + 4 * bh * p.length, (bm, bn))
+
+
+def _lazy_decode_work(p: Problem, blocks, sms):
+    """`_lazy_fwd_kernel` with the decode blocks - pass 1 reads K, pass 2 re-reads K and V.
+
+    The launcher runs it (one split) when the query heads alone fill the GPU; fewer would take the split-K
+    kernels, which this model does not cost."""
+    bm, bn = blocks
+    bh = p.batch * p.heads
+    if bh < sms:
+        raise ValueError(f"{bh} query heads do not fill {sms} SMs: the launcher would split K (not modelled)")
+    tiles = _cdiv(p.length, bn)
+    kv = p.batch * p.kv_heads * p.length * p.dim
+    return Work(bh, [bh * tiles] * 2, _bytes(3 * kv), (bm, bn))
+
+
+def _lazy_bwd_query_work(p: Problem, blocks, sms, writes_dq: bool):
+    """Delta / dq kernels: one query tile per program over the causally needed key tiles."""
+    bm, bn = blocks
+    tiles = [_cdiv(min(p.length, (m + 1) * bm), bn) for m in range(_cdiv(p.length, bm))]
+    bh = p.batch * p.heads
+    elements = bh * p.length * p.dim * (3 if writes_dq else 2) + 2 * p.batch * p.kv_heads * p.length * p.dim
+    return Work(bh * len(tiles), [bh * sum(tiles)], _bytes(elements), (bm, bn))
+
+
+def _lazy_dkdv_work(p: Problem, blocks, sms):
+    bm, bn = blocks
+    rows = [_cdiv(p.length - (n * bn // bm) * bm, bm) for n in range(_cdiv(p.length, bn))]
+    bkv = p.batch * p.kv_heads
+    elements = 2 * p.batch * p.heads * p.length * p.dim + 4 * bkv * p.length * p.dim
+    return Work(bkv * len(rows), [bkv * p.groups * sum(rows)], _bytes(elements), (bm, bn))
+
+
+def _fa2_fwd_work(p: Problem, blocks, sms):
+    bm, bn = blocks
+    m_tiles = p.length // bm
+    bh = p.batch * p.heads
+    # the diagonal loop runs BM / BN times: with BM == BN the compiler emits it as straight-line code (per program)
+    diagonal = [bh * m_tiles * bm // bn] if bm > bn else []
+    return Work(bh * m_tiles, [bh * sum(m * bm // bn for m in range(m_tiles))] + diagonal,
+                _bytes(4 * bh * p.length * p.dim), (bm, bn))
+
+
+def _fa2_preprocess_work(p: Problem, blocks, sms):
+    bm, _ = blocks
+    bh = p.batch * p.heads
+    return Work(bh * p.length // bm, [], _bytes(2 * bh * p.length * p.dim), (bm, p.dim))
+
+
+def _fa2_bwd_work(p: Problem, blocks, sms):
+    bm, bn = blocks
+    n_tiles = p.length // bn
+    bh = p.batch * p.heads
+    below = sum((p.length - (n + 1) * bn) // bm for n in range(n_tiles))
+    diagonal = [bh * n_tiles * bn // bm] if bn > bm else []  # straight-line code when it runs once (BN == BM)
+    # q, k, v, dO read, dk, dv written (bf16); dq accumulated in float32 through L2 (read + write once)
+    return Work(bh * n_tiles, diagonal + [bh * below],
+                _bytes(6 * bh * p.length * p.dim) + 8 * bh * p.length * p.dim, (bn, bm))
+
+
+def _fa2_decode_work(p: Problem, blocks, sms):
+    _, bn = blocks
+    programs = p.batch * p.kv_heads
+    splits = 1 if programs >= sms else max(1, min(_cdiv(2 * sms, programs), p.length // 256))
+    keys_per_split = _cdiv(_cdiv(p.length, splits), bn) * bn
+    splits = _cdiv(p.length, keys_per_split)
+    kv = p.batch * p.kv_heads * p.length * p.dim
+    partials = 4 * 2 * splits * p.batch * p.heads * (p.dim + 2)  # float32 partials written, read by the combine
+    return Work(programs * splits, [programs * splits * (keys_per_split // bn)], _bytes(2 * kv) + partials,
+                (max(16, p.groups), bn))
+
+
+LAZY_GENERAL = {
+    "fwd": KernelSpec("lazy fwd (general)", "lazy", "_lazy_fwd_kernel", "fwd", _lazy_fwd_work),
+    "decode": KernelSpec("lazy decode (general)", "lazy", "_lazy_fwd_kernel", "decode", _lazy_decode_work),
+    "delta": KernelSpec("lazy bwd Delta", "lazy", "_lazy_bwd_delta_kernel", "delta",
+                        partial(_lazy_bwd_query_work, writes_dq=False)),
+    "dq": KernelSpec("lazy bwd dq", "lazy", "_lazy_bwd_dq_kernel", "dq", partial(_lazy_bwd_query_work, writes_dq=True)),
+    "dkdv": KernelSpec("lazy bwd dk/dv", "lazy", "_lazy_bwd_dkdv_kernel", "dkdv", _lazy_dkdv_work),
+}
+LAZY_FAST = {
+    **LAZY_GENERAL,
+    "fwd": KernelSpec("lazy fwd (causal)", "lazy", "_lazy_causal_fwd_kernel", "causal_fwd", _lazy_causal_fwd_work),
+}
+FA2 = {
+    "fwd": KernelSpec("FA2-style fwd", "fa2", "_fa2_fwd_kernel", "fwd", _fa2_fwd_work),
+    "preprocess": KernelSpec("FA2-style bwd Delta", "fa2", "_fa2_bwd_preprocess_kernel", "bwd", _fa2_preprocess_work),
+    "bwd": KernelSpec("FA2-style bwd", "fa2", "_fa2_bwd_kernel", "bwd", _fa2_bwd_work),
+    "decode": KernelSpec("FA2-style decode", "fa2", "_flash_decode_kernel", "decode", _fa2_decode_work),
+}
+# Scenario -> kernels run, for each implementation
+SCENARIOS = {
+    "lazy (general)": {"forward": ["fwd"], "training": ["fwd", "delta", "dq", "dkdv"], "decode": ["decode"]},
+    "lazy (causal fast path)": {"forward": ["fwd"], "training": ["fwd", "delta", "dq", "dkdv"], "decode": ["decode"]},
+    "FA2-style": {"forward": ["fwd"], "training": ["fwd", "preprocess", "bwd"], "decode": ["decode"]},
+}
+IMPLEMENTATIONS = {"lazy (general)": LAZY_GENERAL, "lazy (causal fast path)": LAZY_FAST, "FA2-style": FA2}
+
+
+def _fa2_module():
+    from benchmarks import fa2_reference_kernels
+
+    return fa2_reference_kernels
+
+
+def blocks_of(spec: KernelSpec, arch: int, dim: int) -> tuple:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) the launcher uses."""
+    family = "sm90" if arch >= 90 else "sm80"
+    if spec.source == "lazy":
+        return load_kernels()._config(spec.kind, max(16, dim), family)
+    return _fa2_module().CONFIGS[family][(spec.kind, dim)]
+
+
+def compile_spec(spec: KernelSpec, arch: int, dim: int, groups: int = 4):
+    """Compile one kernel in bf16 for `sm_<arch>` at head dim `dim` (GQA `groups` for the packed decode)."""
+    block_m, block_n, warps, stages = blocks_of(spec, arch, dim)
+    if spec.source == "lazy":
+        from benchmarks.aot_compile_table import Build, compile_build
+
+        return compile_build(load_kernels(), Build(spec.function, spec.kind, torch.bfloat16, dim, arch))
+    fn = getattr(_fa2_module(), spec.function)
+    pointers = {name: "bf16" for name in ("Q", "K", "V", "OUT", "DO", "DK", "DV")}
+    pointers |= {name: "fp32" for name in ("DQ", "LSE", "DELTA", "O_PART", "M_PART", "L_PART")}
+    constexprs = dict(BLOCK_M=block_m, BLOCK_N=block_n, D=dim, GROUPS=groups, BLOCK_G=max(16, groups))
+    return aot_compile(fn, pointers, constexprs, arch, warps, stages)
+
+
+def _analyse_job(job):
+    spec, arch, dim = job
+    start = time.perf_counter()
+    code = analyse(spec.label, compile_spec(spec, arch, dim), arch)
+    return job, code, time.perf_counter() - start
+
+
+def analyse_all(jobs, workers: int):
+    """Compile and analyse `(KernelSpec, arch, dim)` jobs in worker processes."""
+    if workers <= 1:
+        return [_analyse_job(job) for job in jobs]
+    import concurrent.futures
+
+    with concurrent.futures.ProcessPoolExecutor(workers) as pool:
+        return list(pool.map(_analyse_job, jobs))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Time of a kernel and of a scenario
+# ---------------------------------------------------------------------------------------------------
+
+
+def kernel_time(code: KernelCode, work: Work, arch: int) -> dict:
+    """Modelled seconds of one launch: SM cycles (serial model) over all SMs, or DRAM time if larger."""
+    if len(work.iterations) != len(code.loops):
+        raise RuntimeError(f"{code.name} (sm_{arch}): the model expects {len(work.iterations)} tensor-core loops, "
+                           f"the SASS has {len(code.loops)} (did the kernel change? update its Work function)")
+    machine = MACHINES[arch]
+    cycles = work.programs * code.outside.cycles(arch, code.num_warps)["serial"]
+    cycles += sum(n * lp.cycles(arch, code.num_warps)["serial"] for n, lp in zip(work.iterations, code.loops))
+    compute_s = cycles / machine.sms / machine.clock_hz
+    dram_s = work.dram_bytes / machine.dram_bytes_per_s
+    return {"seconds": max(compute_s, dram_s), "compute_s": compute_s, "dram_s": dram_s,
+            "bound": "dram" if dram_s > compute_s else "compute"}
+
+
+def scenario_time(impl: str, scenario: str, codes: dict, problem: Problem, arch: int) -> float:
+    total = 0.0
+    for key in SCENARIOS[impl][scenario]:
+        spec = IMPLEMENTATIONS[impl][key]
+        block_m, block_n, _, _ = blocks_of(spec, arch, problem.dim)
+        work = spec.work(problem, (block_m, block_n), MACHINES[arch].sms)
+        total += kernel_time(codes[(spec, arch, problem.dim)], work, arch)["seconds"]
+    return total
+
+
+def per_element(code: KernelCode, loop: int, tile: tuple) -> dict:
+    """Thread-instructions per score element of one loop iteration, in total and by class."""
+    cost = code.loops[loop]
+    scale = code.num_warps * 32 / (tile[0] * tile[1])
+    return {"total": cost.instructions * scale, **{c: cost.counts.get(c, 0) * scale for c in CLASSES}}
+
+
+# ---------------------------------------------------------------------------------------------------
+# Report
+# ---------------------------------------------------------------------------------------------------
+
+PREFILL_LENGTHS = (1024, 4096, 16384)
+DECODE_LENGTHS = (4096, 32768)
+
+
+def prefill_problem(length: int, dim: int) -> Problem:
+    """H * D = 2048, B * L = 16k (the GPU benchmark's prefill shapes), MHA (the FA2-style kernels have no GQA)."""
+    heads = 2048 // dim
+    return Problem(max(1, 16384 // length), heads, heads, length, dim)
+
+
+def decode_problem(length: int, dim: int) -> Problem:
+    """Batch 8 of one new token, 32 query heads over 8 KV heads (a Llama-style GQA of 4)."""
+    return Problem(8, 32, 8, length, dim)
+
+
+def build_report(archs, dims, workers) -> dict:
+    specs = {}  # each kernel once, with the implementation and role it is listed under first
+    for impl, kernels in IMPLEMENTATIONS.items():
+        for key, spec in kernels.items():
+            specs.setdefault(spec, (impl, key))
+    jobs = [(spec, arch, dim) for spec in specs for arch in archs for dim in dims]
+    start = time.perf_counter()
+    results = analyse_all(jobs, workers)
+    codes = {job: code for job, (_, code, _) in zip(jobs, results)}  # the jobs' own specs (results are copies)
+    report = {"kernels": [], "ratios": [], "compile_seconds": round(time.perf_counter() - start, 1)}
+    for (spec, arch, dim), code in codes.items():
+        impl, key = specs[spec]
+        block_m, block_n, warps, stages = blocks_of(spec, arch, dim)
+        work = spec.work(prefill_problem(4096, dim) if key != "decode" else decode_problem(32768, dim),
+                         (block_m, block_n), MACHINES[arch].sms)
+        loops = []
+        for index, loop in enumerate(code.loops):
+            cyc = loop.cycles(arch, code.num_warps)
+            loops.append({"counts_per_warp": loop.counts, "instructions_per_warp": loop.instructions,
+                          "per_score_element": per_element(code, index, work.tile),
+                          "cycles_per_iteration": cyc, "pipelined_loads": loop.counts.get("async_copy", 0),
+                          "ldg": loop.counts.get("ldg", 0), "atomics": loop.counts.get("atomic", 0)})
+        report["kernels"].append({
+            "implementation": impl, "kernel": spec.label, "function": spec.function, "arch": arch, "dim": dim,
+            "blocks": [block_m, block_n], "warps": warps, "stages": stages, "tile": list(work.tile),
+            "registers": code.registers, "spill_bytes": code.spill, "loops": loops,
+            "outside_loops": {"instructions_per_warp": code.outside.instructions,
+                              "cycles": code.outside.cycles(arch, code.num_warps)}})
+    for arch in archs:
+        for dim in dims:
+            rows = [("forward", L, prefill_problem(L, dim)) for L in PREFILL_LENGTHS]
+            rows += [("training", L, prefill_problem(L, dim)) for L in PREFILL_LENGTHS]
+            rows += [("decode", L, decode_problem(L, dim)) for L in DECODE_LENGTHS]
+            for scenario, length, problem in rows:
+                base = scenario_time("FA2-style", scenario, codes, problem, arch)
+                for impl in IMPLEMENTATIONS:
+                    if impl == "FA2-style":
+                        continue
+                    t = scenario_time(impl, scenario, codes, problem, arch)
+                    report["ratios"].append({"arch": arch, "dim": dim, "scenario": scenario, "length": length,
+                                             "problem": problem.__dict__, "implementation": impl,
+                                             "seconds": t, "fa2_seconds": base, "ratio": t / base})
+    return report
+
+
+def markdown(report: dict) -> str:
+    lines = ["### Inner loops: thread-instructions per score element (dense path), by class", "",
+             "| kernel | arch | D | tile | warps | loop | total | tensor | mufu | fp32 | fcmp | isetp/sel | int | "
+             "addr64 | ldg | cp.async/TMA | atomic | shared | shfl | bound | regs | spill |",
+             "|" + "---|" * 22]
+    for k in report["kernels"]:
+        for i, loop in enumerate(k["loops"]):
+            e = loop["per_score_element"]
+            lines.append(
+                f"| {k['kernel']} | sm_{k['arch']} | {k['dim']} | {k['tile'][0]}x{k['tile'][1]} | {k['warps']} | {i} | "
+                f"{e['total']:.1f} | " + " | ".join(f"{e[c]:.2f}" for c in
+                                                    ("tensor", "mufu", "fp32", "fcmp", "isetp/sel", "int", "addr64",
+                                                     "ldg", "async_copy", "atomic", "shared", "shfl"))
+                + f" | {loop['cycles_per_iteration']['bound']} | {k['registers']} | {k['spill_bytes']} |")
+    lines += ["", "### Modelled time, Lazy / FA2-style (serial model; < 1 is faster)", "",
+              "| arch | D | scenario | L | implementation | ratio | lazy ms | FA2-style ms |",
+              "|---|---|---|---|---|---|---|---|"]
+    for r in report["ratios"]:
+        lines.append(f"| sm_{r['arch']} | {r['dim']} | {r['scenario']} | {r['length']} | {r['implementation']} | "
+                     f"{r['ratio']:.2f}x | {1e3 * r['seconds']:.3f} | {1e3 * r['fa2_seconds']:.3f} |")
+    return "\n".join(lines)
+
+
+def _code_version() -> str:
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "modeling_lazy", "benchmarks/*.py"], cwd=ROOT,
+                               capture_output=True, text=True).stdout.strip()
+        return commit + ("+uncommitted" if dirty else "")
+    except OSError:
+        return "unknown"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--arch", type=int, nargs="+", default=[90, 80], choices=sorted(MACHINES))
+    parser.add_argument("--dims", type=int, nargs="+", default=[64, 128])
+    parser.add_argument("--workers", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--json", type=Path, help="write the raw report here")
+    args = parser.parse_args()
+    import triton
+
+    report = build_report(args.arch, args.dims, args.workers)
+    report["versions"] = {"triton": triton.__version__, "torch": torch.__version__, "code": _code_version()}
+    report["machines"] = {arch: MACHINES[arch].__dict__ for arch in args.arch}
+    print(f"triton {triton.__version__}; {len(report['kernels'])} kernels compiled and analysed in "
+          f"{report['compile_seconds']} s on {os.cpu_count()} cores; code {report['versions']['code']}\n")
+    print(markdown(report))
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report, indent=1, default=str))
+
+
+if __name__ == "__main__":
+    main()
