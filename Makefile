@@ -5,7 +5,7 @@ TORCH_VERSION ?= 2.13.0
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 
-.PHONY: setup demo test
+.PHONY: setup demo test lint
 
 setup: $(VENV)/.installed
 
@@ -19,8 +19,12 @@ $(VENV)/.installed: pyproject.toml Makefile
 
 # Main job: convert the bundled SmolLM2 into LazyLlama, verify, generate, report sparsity.
 demo: setup
-	$(PY) -m conversion.demo
+	$(PY) -m demos.conversion_demo
 
 # Test suite (CPU only; Triton kernels run under the interpreter).
 test: setup
 	$(PY) -m pytest -q
+
+# Style and static checks (ruff: pycodestyle, pyflakes, import order; settings in pyproject.toml).
+lint: setup
+	$(VENV)/bin/ruff check .

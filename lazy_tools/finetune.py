@@ -18,7 +18,7 @@ Data: text files hold one document per blank-line-separated paragraph block (wha
 JSON-lines files hold one document per record (`--text_column`). Documents are tokenised, ended with EOS and
 packed by `lazy_tools.data.pack_token_blocks` into blocks whose `position_ids` restart at 0 at every document
 start; the model reads document boundaries from those restarts, so packed documents never see each other
-(SPEC section 1). Labels are the input ids, except that the first token of every document segment (position 0)
+(docs/design.md). Labels are the input ids, except that the first token of every document segment (position 0)
 is ignored (-100): it has no history inside its document, and predicting it from the previous document would
 train across the boundary that attention hides.
 

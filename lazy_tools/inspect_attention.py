@@ -2,7 +2,7 @@
 
     lazy-inspect MODEL [--text FILE] [--baseline MODEL | --baseline tau=0] [--out DIR]
 
-Measured per layer and head on natural text (SPEC section 5, via `lazy_tools.metrics.attention_statistics`):
+Measured per layer and head on natural text (defined in docs/design.md; `lazy_tools.metrics.attention_statistics`):
 sparsity, 64 x 64 tile density, first-token (sink) mass, surviving mass `sum_j a_ij`, and `tau`; the same on
 a sequence of one repeated token. Plots (each side by side with the baseline when one is given):
 

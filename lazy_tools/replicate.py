@@ -1,5 +1,5 @@
-"""Replication study (SPEC section 5): train vanilla Llama, Lazy Attention and two ablations from scratch on
-Brown-train with one shared loop, then evaluate all four on Brown-test.
+"""Replication study (REPLICATION.md; the paper's claims: docs/design.md): train vanilla Llama, Lazy Attention
+and two ablations from scratch on Brown-train with one shared loop, then evaluate all four on Brown-test.
 
     python -m lazy_tools.replicate --out runs/replicate            # the real run (see REPLICATION.md)
     python -m lazy_tools.replicate --steps 8 --hidden-size 32 ...  # a smoke run (tests/test_replicate_smoke.py)
@@ -106,7 +106,7 @@ def build_model(variant: str, args):
 
 
 def optimizer(model, args) -> torch.optim.AdamW:
-    """AdamW; weight decay on weight matrices only, never on norms, tau or distance_bias (SPEC section 3)."""
+    """AdamW; weight decay on weight matrices only, never on norms, tau or distance_bias (docs/design.md)."""
     decay, no_decay = [], []
     for name, param in model.named_parameters():
         if not param.requires_grad:

@@ -1,4 +1,7 @@
-"""LazyLlama model package: importing it registers the classes with the Auto classes of transformers."""
+"""LazyLlama model package: importing it registers the classes with the Auto classes of transformers.
+
+The math, the gradients, the metadata and the attention backends are described in docs/design.md.
+"""
 
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 

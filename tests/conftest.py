@@ -1,5 +1,8 @@
 """Shared fixtures: tiny random LazyLlama models with hand-set, non-trivial tau and distance bias."""
 
+import os
+import random
+
 import pytest
 import torch
 
@@ -36,12 +39,33 @@ def tiny_model(seed=None, attn_implementation=None, **overrides) -> LazyLlamaFor
     return model.eval()
 
 
+SEED_ENV = "LAZY_TEST_SEED"
+
+
 @pytest.fixture
-def rng_seed():
-    """A fresh seed per test run (printed on failure) so tests see new random inputs each time."""
-    seed = int(torch.randint(0, 2**31 - 1, ()).item())
+def rng_seed(request):
+    """Seeds torch for one test: a fresh seed each run, or `$LAZY_TEST_SEED` to replay a failure.
+
+    The seed is reported with every failing test that uses this fixture (see `pytest_runtest_makereport`).
+    """
+    chosen = os.environ.get(SEED_ENV, "").strip()
+    seed = int(chosen) if chosen else random.SystemRandom().randrange(2**31 - 1)
     torch.manual_seed(seed)
+    request.node.stash[_SEED_KEY] = seed
     return seed
+
+
+_SEED_KEY = pytest.StashKey[int]()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    """Add the seed of `rng_seed` to the report of a failing test, with the command that replays it."""
+    report = yield
+    seed = item.stash.get(_SEED_KEY, None)
+    if report.failed and seed is not None:
+        report.sections.append(("random seed", f"{SEED_ENV}={seed} python -m pytest '{item.nodeid}'"))
+    return report
 
 
 PROJECT_PACKAGES = ("modeling_lazy", "configuration_lazy", "conversion", "lazy_tools")

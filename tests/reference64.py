@@ -1,4 +1,4 @@
-"""An independent float64 implementation of SPEC section 1, written for the tests only.
+"""An independent float64 implementation of the math in docs/design.md, written for the tests only.
 
 It shares no code with the project: positions, documents and visibility are rebuilt here from the raw
 inputs (padding mask, position_ids), with explicit Python loops where that is clearest, and the whole

@@ -315,7 +315,11 @@ def _direct_nll(model, ids: torch.Tensor, context: int, stride: int) -> list[flo
     return nlls
 
 
-@pytest.mark.parametrize("context,stride", [(64, None), (16, 8), (16, None)])
+@pytest.mark.parametrize("context, stride", [
+    pytest.param(64, None, id="one-window"),
+    pytest.param(16, 8, id="stride-8-overlapping"),
+    pytest.param(16, None, id="default-stride-capped"),
+])
 def test_evaluate_perplexity_is_exp_mean_nll(tiny, tmp_path, capsys, context, stride):
     out = tmp_path / "ppl.json"
     argv = [str(tiny["lazy"]), "--text", str(tiny["text"]), "--context", str(context), "--max-tokens", "40",

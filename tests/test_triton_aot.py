@@ -1,6 +1,6 @@
 """Every Triton kernel compiles ahead of time for sm_80 and sm_90 at its shipped blocks, without spills.
 
-No GPU is needed: the triton wheel ships ptxas and cuobjdump (RESOURCES.md). The default run compiles the
+No GPU is needed: the triton wheel ships ptxas and cuobjdump (BENCHMARKS.md). The default run compiles the
 bfloat16 builds (6 kernels, 7 block kinds x head dims 64/128 x 2 GPU families = 28 compiles, ~3-4 min on 2 cores).
 With LAZY_AOT_ALL_DTYPES=1 the float16 builds (same lowering, also spill-free) and the float32 builds
 (IEEE float32 dots: the exact path for checks, not tuned, so they spill; only compilation is asserted) run

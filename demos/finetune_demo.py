@@ -4,7 +4,7 @@ Evaluates Brown-test perplexity (`lazy_tools.metrics.perplexity`, context 512) a
 (`attention_statistics`) on a fixed slice of Brown-test (the first `--eval_rows x --eval_context` tokens of
 `brown_text_file("test")`) before and after, prints a table and writes `summary.json` into the output folder.
 
-    python -m benchmarks.finetune_demo --output_dir .cache/finetune-demo --max_steps 24 --eval_rows 4
+    python -m demos.finetune_demo --output_dir .cache/finetune-demo --max_steps 24 --eval_rows 4
 
 Options after `--` go to `lazy-finetune` unchanged (they override the defaults below).
 """
@@ -18,7 +18,8 @@ from pathlib import Path
 import torch
 
 from lazy_tools.data import brown_text_file, smollm2_llama_dir
-from lazy_tools.finetune import load_model, main as finetune_main
+from lazy_tools.finetune import load_model
+from lazy_tools.finetune import main as finetune_main
 from lazy_tools.metrics import attention_statistics, perplexity
 
 
@@ -29,11 +30,13 @@ def evaluate(model, tokens: torch.Tensor, rows: int, context: int, stats_rows_pe
     model.eval()
     ppl = perplexity(model, tokens, context=context)
     grid = tokens.view(rows, context)
-    parts = [attention_statistics(model, grid[i : i + stats_rows_per_call]) for i in range(0, rows, stats_rows_per_call)]
+    parts = [attention_statistics(model, grid[i : i + stats_rows_per_call])
+             for i in range(0, rows, stats_rows_per_call)]
     mean = {key: sum(p["mean"][key] for p in parts) / len(parts) for key in parts[0]["mean"]}
     layers = len(parts[0]["layers"])
     per_layer = {
-        key: [sum(sum(p["layers"][l][key]) / len(p["layers"][l][key]) for p in parts) / len(parts) for l in range(layers)]
+        key: [sum(sum(p["layers"][layer][key]) / len(p["layers"][layer][key]) for p in parts) / len(parts)
+              for layer in range(layers)]
         for key in ("sparsity", "sink", "tau")
     }
     return {"perplexity": ppl["perplexity"], "tokens": ppl["tokens"], "mean": mean, "per_layer": per_layer}
@@ -72,7 +75,8 @@ def main(argv=None) -> None:
         "--mode", "lazy-only", "--block_size", "256", "--per_device_train_batch_size", "2",
         "--max_steps", str(args.max_steps), "--learning_rate", "1e-3", "--lazy_lr_multiplier", "20",
         "--lr_scheduler_type", "constant_with_warmup", "--warmup_steps", "5", "--weight_decay", "0.1",
-        "--logging_steps", "5", "--stats_every_n_logs", "4", "--stats_tokens", "128", "--save_strategy", "no", "--report_to", "none",
+        "--logging_steps", "5", "--stats_every_n_logs", "4", "--stats_tokens", "128", "--save_strategy", "no",
+        "--report_to", "none",
         "--seed", "0", "--disable_tqdm", "true", "--dataloader_num_workers", "0",
     ] + extra
     print("lazy-finetune " + " ".join(command), flush=True)
@@ -95,4 +99,7 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except FileNotFoundError as error:  # missing weights or npm: the message says what to install
+        sys.exit(f"error: {error}")

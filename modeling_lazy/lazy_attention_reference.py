@@ -1,0 +1,184 @@
+"""Lazy Attention, the math in one place: who sees whom (`LazyMetadata`) and the plain reference (`"eager"`).
+
+Per query head h, query i, key j, for visible (i, j) (docs/design.md explains each choice):
+
+    s_ij = scaling * <q_i, k_j> + beta_h(pos_i - pos_j)       beta_h(d) = distance_bias[h, d] if 0 <= d < W else 0
+    p_ij = exp(s_ij - LSE_i)                                   LSE over the visible keys of row i, float32
+    a_ij = max(0, p_ij + tau_h / n_i)                          n_i = pos_i + 1; a_ij = 0 for masked (i, j)
+    o_i  = sum_j a_ij v_j                                      no renormalisation
+
+A row whose visible scores are all `-inf` has no normaliser: its weights are all 0 and `o_i = 0`.
+
+Visibility is described by per-token integer tensors rather than an L x L mask, so that every backend
+(the reference here, the CPU path in `lazy_attention_torch`, the Triton kernels) reads the same compact
+inputs, built once per forward by `lazy_attention_metadata` and carried in a `LazyMetadata`.
+"""
+
+from typing import NamedTuple
+
+import torch
+
+
+class LazyMetadata(NamedTuple):
+    """Positions and visibility of one forward call, shared by every layer and every backend.
+
+    q_pos `[B, Tq]`, k_pos `[B, Tk]` int64: positions (restart at 0 per packed document); `n_i = q_pos[i] + 1`.
+    q_seg `[B, Tq]`, k_seg `[B, Tk]` int32: query i sees key j  <=>  `q_seg[i] == k_seg[j]` and
+        `j <= i + key_offset`. Padding keys carry -1, padded query rows -2 (they see nothing).
+    key_offset: key index of query row 0, i.e. the number of cached keys before this call (`Tk - Tq`).
+    causal: the plain causal layout (no padding, one document per row, positions = index + a per-row
+        constant): query i sees exactly keys `0 .. i + key_offset` at distance `i + key_offset - j`.
+        Backends may use a faster path then; `False` is always safe.
+    q_pos32, k_pos32: int32 copies of the positions (what the Triton kernels read).
+    """
+
+    q_pos: torch.Tensor
+    k_pos: torch.Tensor
+    q_seg: torch.Tensor
+    k_seg: torch.Tensor
+    key_offset: int
+    causal: bool
+    q_pos32: torch.Tensor
+    k_pos32: torch.Tensor
+
+    @property
+    def key_length(self) -> int:
+        """Keys this call attends over (a static cache may hand backends a longer, partly unwritten buffer)."""
+        return self.k_pos.shape[1]
+
+
+def _is_causal_layout(q_pos, k_pos, q_seg, k_seg, key_offset: int) -> bool:
+    """True when query i sees exactly keys `j <= i + key_offset` and `pos_i - pos_j = i + key_offset - j`."""
+    seg = k_seg[:, :1]
+    index = torch.arange(k_pos.shape[1], device=k_pos.device)
+    base = k_pos[:, :1] - index[:1]
+    return bool(
+        (seg >= 0).all() & (k_seg == seg).all() & (q_seg == seg).all()
+        & (k_pos == base + index).all() & (q_pos == base + index[key_offset:]).all()
+    )
+
+
+def lazy_attention_metadata(
+    attention_mask: torch.Tensor | None,
+    position_ids: torch.Tensor | None,
+    past_length: int,
+    query_length: int,
+    batch_size: int,
+    device: torch.device,
+    cu_seq_lens: torch.Tensor | None = None,
+) -> LazyMetadata:
+    """Positions and segment ids of queries and keys for one forward call.
+
+    Args:
+        attention_mask: `[B, past_length + query_length]` (1 = token, 0 = padding) or None.
+        position_ids: `[B or 1, query_length]` or None. When None they come from the mask (`cumsum - 1`),
+            so a left-padded row gets the positions its prompt gets alone, or are `past_length + arange`.
+        past_length: number of cached keys before this call's tokens.
+        cu_seq_lens: optional `[num_docs + 1]` cumulative document lengths of a packed batch of one row.
+    """
+    key_length = past_length + query_length
+    if attention_mask is not None:
+        if attention_mask.dim() != 2 or attention_mask.shape[-1] != key_length:
+            raise ValueError(
+                f"LazyLlama expects a 2-D padding mask of shape [batch, past + new tokens] = "
+                f"[{batch_size}, {key_length}], got {tuple(attention_mask.shape)}. 4-D masks cannot express "
+                "Elastic-Softmax's per-row key count; pass the tokenizer's attention_mask instead."
+            )
+        if not torch.compiler.is_compiling() and bool(attention_mask.all()):
+            attention_mask = None  # all ones (generate() without padding): the same layout as no mask
+    key_valid = None
+    if attention_mask is not None:
+        key_valid = attention_mask.to(device=device, dtype=torch.bool)
+        mask_pos = key_valid.long().cumsum(-1) - 1
+        mask_pos = mask_pos.masked_fill(~key_valid, 1)  # what generate() gives padding positions
+    else:
+        mask_pos = torch.arange(key_length, device=device).expand(batch_size, key_length)
+
+    if position_ids is None:
+        q_pos = mask_pos[:, past_length:]
+    else:
+        q_pos = position_ids.to(device=device, dtype=torch.long).expand(batch_size, query_length)
+    k_pos = torch.cat([mask_pos[:, :past_length], q_pos], dim=1)
+
+    # Segments: packed documents are only meaningful without a cache (training / scoring).
+    if cu_seq_lens is not None:
+        lengths = cu_seq_lens.diff().to(device)
+        seg = torch.repeat_interleave(torch.arange(lengths.numel(), device=device), lengths)
+        seg = seg[:key_length].expand(batch_size, key_length)
+    elif past_length == 0 and position_ids is not None:
+        diff = torch.diff(k_pos, dim=-1, prepend=k_pos[:, :1] - 1)
+        seg = (diff != 1).long().cumsum(-1)
+    else:
+        seg = torch.zeros(batch_size, key_length, dtype=torch.int32, device=device)
+    seg = seg.to(torch.int32)
+    if key_valid is None:
+        k_seg, q_seg = seg.contiguous(), seg[:, past_length:].contiguous()
+    else:
+        k_seg = seg.masked_fill(~key_valid, -1).contiguous()
+        q_seg = seg[:, past_length:].masked_fill(~key_valid[:, past_length:], -2).contiguous()
+    q_pos, k_pos = q_pos.contiguous(), k_pos.contiguous()
+
+    if attention_mask is None and position_ids is None and cu_seq_lens is None:
+        causal = True  # known without looking at the data (and without a host sync under torch.compile)
+    elif torch.compiler.is_compiling():
+        causal = False  # a data-dependent check would break the graph; the general path is exact
+    elif attention_mask is None and cu_seq_lens is None and past_length > 0:
+        # one segment, cached keys at positions 0 .. past - 1: causal iff the new tokens continue them
+        causal = bool((q_pos == torch.arange(past_length, key_length, device=device)).all())
+    else:
+        causal = _is_causal_layout(q_pos, k_pos, q_seg, k_seg, past_length)
+    return LazyMetadata(q_pos, k_pos, q_seg, k_seg, past_length, causal,
+                        q_pos.to(torch.int32), k_pos.to(torch.int32))
+
+
+def lazy_visibility(metadata: LazyMetadata) -> torch.Tensor:
+    """`[B, 1, Tq, Tk]` bool: query i sees key j (same segment and `j <= i + key_offset`)."""
+    q_len, k_len = metadata.q_pos.shape[1], metadata.key_length
+    device = metadata.q_pos.device
+    causal = torch.arange(k_len, device=device)[None, :] <= torch.arange(q_len, device=device)[:, None] + metadata.key_offset
+    return ((metadata.q_seg[:, :, None] == metadata.k_seg[:, None, :]) & causal)[:, None]
+
+
+def distance_bias_scores(distance_bias: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor, dtype) -> torch.Tensor:
+    """`[B, H, Tq, Tk]`: `distance_bias[h, pos_i - pos_j]` inside the window, 0 outside it."""
+    window = distance_bias.shape[-1]
+    dist = q_pos[:, :, None] - k_pos[:, None, :]
+    in_window = (dist >= 0) & (dist < window)
+    bias = distance_bias.to(dtype)[:, dist.clamp(0, window - 1)]  # [H, B, Tq, Tk]
+    return torch.where(in_window, bias, torch.zeros((), dtype=dtype, device=bias.device)).permute(1, 0, 2, 3)
+
+
+def compute_dtype(query: torch.Tensor) -> torch.dtype:
+    """float64 inputs are computed in float64 (for gradcheck); everything else in float32."""
+    return torch.float64 if query.dtype == torch.float64 else torch.float32
+
+
+def lazy_attention_reference(query, key, value, tau, distance_bias, metadata: LazyMetadata, scaling: float):
+    """Plain Lazy Attention that materialises the weights (the `"eager"` implementation).
+
+    Args:
+        query: `[B, Hq, Tq, D]`; key, value: `[B, Hkv, >= Tk, D]` (any float dtype; math in float32, or
+            float64 for float64 inputs). Only the first `metadata.key_length` keys are read.
+        tau: `[Hq]`; distance_bias: `[Hq, W]`; metadata: from `lazy_attention_metadata`.
+    Returns:
+        `(out [B, Tq, Hq, D] in the query dtype, weights [B, Hq, Tq, Tk] after the ReLU)`.
+    """
+    groups = query.shape[1] // key.shape[1]
+    dtype = compute_dtype(query)
+    k_len = metadata.key_length
+    k = key[:, :, :k_len].to(dtype).repeat_interleave(groups, dim=1)  # [B, Hq, Tk, D]
+    v = value[:, :, :k_len].to(dtype).repeat_interleave(groups, dim=1)
+    visible = lazy_visibility(metadata)  # [B, 1, Tq, Tk]
+    scores = torch.matmul(query.to(dtype), k.transpose(2, 3)) * scaling
+    scores = scores + distance_bias_scores(distance_bias, metadata.q_pos, metadata.k_pos, dtype)
+    scores = scores.masked_fill(~visible, float("-inf"))
+    alive = scores.amax(-1, keepdim=True) > float("-inf")  # [B, Hq, Tq, 1]: the row has a normaliser
+    lse = torch.logsumexp(scores.masked_fill(~alive, 0.0), dim=-1, keepdim=True)  # finite values and gradients
+    probs = torch.exp(scores - lse)
+    n = (metadata.q_pos + 1).to(dtype)[:, None, :, None]
+    weights = torch.relu(probs + tau.to(dtype)[None, :, None, None] / n) * (visible & alive)
+    out = torch.matmul(weights, v).to(query.dtype)
+    return out.transpose(1, 2).contiguous(), weights
+
+
+__all__ = ["LazyMetadata", "lazy_attention_metadata", "lazy_attention_reference", "lazy_visibility"]

@@ -1,0 +1,204 @@
+"""The inference decode path of the CPU op (a few query rows, dense and sparse value reads) against the
+materialising reference: causal and padded layouts, GQA, caches shorter and longer than the bias window,
+tau of both signs, static-cache buffers, and rows without a normaliser."""
+
+import pytest
+import torch
+
+from modeling_lazy import lazy_attention_reference as ref
+from modeling_lazy import lazy_attention_torch as ops
+
+CPU = torch.device("cpu")
+TAUS = {"zero": 0.0, "negative": -1.0, "mixed": [-1.5, 0.7, 0.0, -0.3, -2.0, 0.4]}
+SHAPES = {  # (heads, kv_heads, q_len, past, window)
+    "one-row-gqa-long-cache": (6, 2, 1, 300, 64),
+    "one-row-cache-inside-window": (4, 2, 1, 20, 64),
+    "one-row-mha": (3, 3, 1, 150, 32),
+    "few-rows-gqa": (6, 3, 5, 200, 48),
+    "few-rows-cache-inside-window": (4, 1, 16, 10, 64),
+}
+V_READS = {  # forced crossovers so that both value reads run at these small sizes
+    "dense-v": {"_SPARSE_V_MIN_KEYS": 1 << 30},
+    "sparse-v": {"_SPARSE_V_MIN_KEYS": 0, "_SPARSE_V_MAX_DENSITY": 1.0},
+}
+
+
+def _tau(kind, heads):
+    value = TAUS[kind]
+    return torch.tensor(value[:heads] if isinstance(value, list) else [value] * heads, dtype=torch.float32)
+
+
+def _metadata(layout, bsz, past, q_len):
+    if layout == "causal":
+        return ref.lazy_attention_metadata(None, None, past, q_len, bsz, CPU)
+    mask = torch.ones(bsz, past + q_len, dtype=torch.long)
+    mask[0, : past // 2 + 1] = 0  # left padding of row 0 (general layout)
+    if bsz > 2:
+        mask[2, : past + q_len - 1] = 0  # a row that is almost all padding: its queries see 1 key or none
+    return ref.lazy_attention_metadata(mask, None, past, q_len, bsz, CPU)
+
+
+@pytest.mark.parametrize("v_read", list(V_READS))
+@pytest.mark.parametrize("tau_kind", list(TAUS))
+@pytest.mark.parametrize("layout", ["causal", "padded"])
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_decode_matches_reference(shape, layout, tau_kind, v_read, rng_seed, monkeypatch):
+    for name, value in V_READS[v_read].items():
+        monkeypatch.setattr(ops, name, value)
+    heads, kv_heads, q_len, past, window = SHAPES[shape]
+    bsz, dim = 3, 16
+    meta = _metadata(layout, bsz, past, q_len)
+    q = torch.randn(bsz, heads, q_len, dim) * 3  # peaked rows: with tau < 0 most weights are 0
+    k = torch.randn(bsz, kv_heads, past + q_len, dim)
+    v = torch.randn(bsz, kv_heads, past + q_len, dim)
+    tau, bias = _tau(tau_kind, heads), torch.randn(heads, window) * 0.5
+    want, weights = ref.lazy_attention_reference(q, k, v, tau, bias, meta, dim**-0.5)
+    with torch.no_grad():
+        got = ops.lazy_attention_torch(q, k, v, tau, bias, meta, dim**-0.5)
+    valid = meta.q_seg >= 0
+    assert got.shape == want.shape and torch.isfinite(got).all(), f"seed {rng_seed}"
+    torch.testing.assert_close(got[valid], want[valid], atol=2e-5, rtol=1e-4, msg=f"seed {rng_seed}")
+    if tau_kind == "negative":  # the sparse read really skips rows here
+        assert (weights[valid[:, None, :].expand_as(weights[..., 0])] == 0).float().mean() > 0.5
+
+
+@pytest.mark.parametrize("v_read", list(V_READS))
+def test_decode_reads_only_the_attended_keys_of_a_static_buffer(v_read, rng_seed, monkeypatch):
+    """A static cache hands over its whole (partly unwritten, possibly strided) buffer."""
+    for name, value in V_READS[v_read].items():
+        monkeypatch.setattr(ops, name, value)
+    bsz, heads, kv_heads, past, dim = 2, 4, 2, 40, 16
+    meta = ref.lazy_attention_metadata(None, None, past, 1, bsz, CPU)
+    q = torch.randn(bsz, heads, 1, dim) * 3
+    kv = torch.randn(2, bsz, kv_heads, 64, dim)
+    kv[:, :, :, past + 1 :] = float("nan")  # unwritten slots must never be read into the result
+    k_strided = torch.randn(bsz, 64, kv_heads, dim).transpose(1, 2)  # not contiguous: the gather fallback
+    k_strided[:, :, : past + 1] = kv[0, :, :, : past + 1]
+    v_strided = torch.full((bsz, 64, kv_heads, dim), float("nan")).transpose(1, 2)
+    v_strided[:, :, : past + 1] = kv[1, :, :, : past + 1]
+    tau, bias = _tau("mixed", heads), torch.randn(heads, 8)
+    want, _ = ref.lazy_attention_reference(q, kv[0, :, :, : past + 1], kv[1, :, :, : past + 1], tau, bias, meta,
+                                           dim**-0.5)
+    with torch.no_grad():
+        for k_buf, v_buf in ((kv[0], kv[1]), (k_strided, v_strided)):
+            got = ops.lazy_attention_torch(q, k_buf, v_buf, tau, bias, meta, dim**-0.5)
+            torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4, msg=f"seed {rng_seed}")
+
+
+@pytest.mark.parametrize("v_read", list(V_READS))
+@pytest.mark.parametrize("tau_value", [-0.5, 0.0, 0.7])
+def test_decode_rows_without_a_normaliser_give_zero(tau_value, v_read, rng_seed, monkeypatch):
+    for name, value in V_READS[v_read].items():
+        monkeypatch.setattr(ops, name, value)
+    bsz, heads, past, q_len, dim = 2, 2, 1, 4, 8
+    meta = ref.lazy_attention_metadata(None, None, past, q_len, bsz, CPU)
+    q, k, v = torch.randn(bsz, heads, q_len, dim), *torch.randn(2, bsz, 1, past + q_len, dim)
+    tau, bias = _tau("zero", heads) + tau_value, torch.randn(heads, 8)
+    bias[0, :3] = float("-inf")  # head 0: the rows at positions 0..2 see only -inf scores
+    want, _ = ref.lazy_attention_reference(q, k, v, tau, bias, meta, dim**-0.5)
+    with torch.no_grad():
+        got = ops.lazy_attention_torch(q, k, v, tau, bias, meta, dim**-0.5)
+    assert torch.isfinite(got).all() and (got[:, :2, 0] == 0).all(), f"seed {rng_seed}"
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4, msg=f"seed {rng_seed}")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64], ids=["bf16", "fp64"])
+def test_decode_other_dtypes(dtype, rng_seed, monkeypatch):
+    monkeypatch.setattr(ops, "_SPARSE_V_MIN_KEYS", 0)
+    bsz, heads, kv_heads, past, dim = 2, 4, 2, 70, 16
+    meta = ref.lazy_attention_metadata(None, None, past, 1, bsz, CPU)
+    q = (torch.randn(bsz, heads, 1, dim) * 3).to(dtype)
+    k, v = (torch.randn(bsz, kv_heads, past + 1, dim).to(dtype) for _ in range(2))
+    tau, bias = _tau("negative", heads), torch.randn(heads, 16)
+    want, _ = ref.lazy_attention_reference(q, k, v, tau, bias, meta, dim**-0.5)
+    with torch.no_grad():
+        got = ops.lazy_attention_torch(q, k, v, tau, bias, meta, dim**-0.5)
+    assert got.dtype == dtype
+    tol = {"atol": 2e-2, "rtol": 2e-2} if dtype == torch.bfloat16 else {"atol": 1e-12, "rtol": 1e-10}
+    torch.testing.assert_close(got, want, **tol, msg=f"seed {rng_seed}")
+
+
+def test_training_never_takes_the_decode_path(rng_seed, monkeypatch):
+    """With gradients wanted, one query row still runs the autograd Function (and its gradients are right)."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("the decode path is inference-only")
+
+    monkeypatch.setattr(ops, "_decode_forward", refuse)
+    bsz, heads, past, dim = 2, 4, 30, 8
+    meta = ref.lazy_attention_metadata(None, None, past, 1, bsz, CPU)
+    q = torch.randn(bsz, heads, 1, dim, requires_grad=True)
+    k, v = (torch.randn(bsz, 2, past + 1, dim, requires_grad=True) for _ in range(2))
+    tau, bias = _tau("mixed", heads).requires_grad_(), torch.randn(heads, 8, requires_grad=True)
+    got = ops.lazy_attention_torch(q, k, v, tau, bias, meta, dim**-0.5)
+    want, _ = ref.lazy_attention_reference(q, k, v, tau, bias, meta, dim**-0.5)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4, msg=f"seed {rng_seed}")
+    grads = torch.autograd.grad(got.sum(), [q, k, v, tau, bias])
+    want_grads = torch.autograd.grad(want.sum(), [q, k, v, tau, bias])
+    for name, a, b in zip(["q", "k", "v", "tau", "bias"], grads, want_grads):
+        torch.testing.assert_close(a, b, atol=5e-5, rtol=1e-4, msg=f"d{name}, seed {rng_seed}")
+
+
+@pytest.mark.parametrize("v_read", list(V_READS))
+def test_decode_with_every_weight_zero(v_read, rng_seed, monkeypatch):
+    """tau far below 0 leaves no key weighted: the sparse read gathers no row and the output is 0."""
+    for name, value in V_READS[v_read].items():
+        monkeypatch.setattr(ops, name, value)
+    bsz, heads, past, dim = 2, 4, 50, 8
+    meta = ref.lazy_attention_metadata(None, None, past, 1, bsz, CPU)
+    q, k, v = torch.randn(bsz, heads, 1, dim), *torch.randn(2, bsz, 2, past + 1, dim)
+    tau, bias = torch.full((heads,), -1e3), torch.randn(heads, 8)
+    with torch.no_grad():
+        got = ops.lazy_attention_torch(q, k, v, tau, bias, meta, dim**-0.5)
+    want, _ = ref.lazy_attention_reference(q, k, v, tau, bias, meta, dim**-0.5)
+    assert (want == 0).all() and (got == 0).all(), f"seed {rng_seed}"
+
+
+@pytest.mark.parametrize("positions", [False, True], ids=["no-position-ids", "position-ids"])
+@pytest.mark.parametrize("past", [0, 7])
+def test_all_ones_mask_gives_the_no_mask_metadata(past, positions):
+    q_len, bsz = 3, 2
+    position_ids = torch.arange(past, past + q_len)[None] if positions else None
+    plain = ref.lazy_attention_metadata(None, position_ids, past, q_len, bsz, CPU)
+    ones = ref.lazy_attention_metadata(torch.ones(bsz, past + q_len, dtype=torch.long), position_ids, past, q_len,
+                                       bsz, CPU)
+    assert ones.causal and plain.causal
+    for name, a, b in zip(plain._fields, plain, ones):
+        assert torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b, name
+    shifted = ref.lazy_attention_metadata(None, position_ids + 1, past, q_len, bsz, CPU) if positions else None
+    assert shifted is None or shifted.causal == (past == 0)  # a cache at 0 .. past - 1 must be continued
+
+
+def test_generate_with_an_all_ones_mask_decodes_in_the_causal_layout(monkeypatch, rng_seed):
+    """What generate() passes without padding (a 2-D mask of ones, positions) must take the causal decode path."""
+    from tests.conftest import tiny_model
+
+    seen = []
+    decode = ops._decode_forward
+
+    def spy(query, key, value, tau, distance_bias, metadata, scaling):
+        seen.append(metadata.causal)
+        return decode(query, key, value, tau, distance_bias, metadata, scaling)
+
+    monkeypatch.setattr(ops, "_decode_forward", spy)
+    model = tiny_model(seed=rng_seed, attn_implementation="lazy")
+    ids = torch.randint(3, 97, (1, 20))
+    with torch.no_grad():
+        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, min_new_tokens=4, do_sample=False)
+    assert len(seen) == 3 * model.config.num_hidden_layers and all(seen), seen
+
+
+@pytest.mark.parametrize("layout", ["causal", "padded"])
+def test_decode_traces_as_one_graph(layout, rng_seed):
+    """Under torch.compile the decode path has no host sync (the sparse read, which needs one, is skipped)."""
+    bsz, heads, dim = 2, 4, 8
+    past = ops._SPARSE_V_MIN_KEYS + 10
+    meta = _metadata(layout, bsz, past, 1)
+    q, k, v = torch.randn(bsz, heads, 1, dim) * 3, *torch.randn(2, bsz, 2, past + 1, dim)
+    tau, bias = _tau("mixed", heads), torch.randn(heads, 8)
+    compiled = torch.compile(lambda *args: ops.lazy_attention_torch(*args, meta, dim**-0.5), backend="eager",
+                             fullgraph=True)
+    with torch.no_grad():
+        got = compiled(q, k, v, tau, bias)
+    want, _ = ref.lazy_attention_reference(q, k, v, tau, bias, meta, dim**-0.5)
+    valid = meta.q_seg >= 0
+    torch.testing.assert_close(got[valid], want[valid], atol=2e-5, rtol=1e-4, msg=f"seed {rng_seed}")
