@@ -15,7 +15,6 @@ import math
 from huggingface_hub.dataclasses import strict
 from transformers import LlamaConfig
 
-
 # Sizes that must be whole numbers >= 1; None means "derive it" for the last two (LlamaConfig does).
 _POSITIVE_SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                    "max_position_embeddings", "num_key_value_heads", "head_dim")

@@ -46,8 +46,8 @@ from conversion.model_card import card_for_push, load_statistics
 from modeling_lazy.modeling_lazy import LAZY_PARAMETER_NAMES
 
 try:  # the HTTP client huggingface_hub uses (httpx2 in huggingface_hub >= 2, httpx before)
-    from httpx2 import TimeoutException, TransportError
     from httpx2 import Timeout as HTTPTimeout
+    from httpx2 import TimeoutException, TransportError
 except ImportError:
     from httpx import Timeout as HTTPTimeout
     from httpx import TimeoutException, TransportError

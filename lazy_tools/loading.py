@@ -123,8 +123,9 @@ def load_causal_lm(name: str, *, role: str = "model", device: str | torch.device
     `role="model"` accepts only a LazyLlama; `role="baseline"` also accepts a vanilla Llama. Raises
     `NotALazyLlama` or `ModelNotFound` with an actionable message otherwise.
     """
-    import modeling_lazy  # noqa: F401  (registers LazyLlama with the Auto classes)
     from transformers import AutoConfig, AutoModelForCausalLM
+
+    import modeling_lazy  # noqa: F401  (registers LazyLlama with the Auto classes)
 
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
