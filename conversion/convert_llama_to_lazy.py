@@ -60,7 +60,7 @@ from lazy_tools.folders import (
     temporary_folder,
     terminations_as_interrupts,
 )
-from lazy_tools.loading import DTYPES, without_gguf_quantization
+from lazy_tools.loading import DTYPES, at_least, positive_int, without_gguf_quantization
 from modeling_lazy.modeling_lazy import (
     AUTO_MAP,
     LazyLlamaForCausalLM,
@@ -571,8 +571,8 @@ def _source_card_metadata(source: Path) -> dict:
     """License and base model found in the source (its README metadata, or GGUF `general.*` fields)."""
     found = {}
     if _is_gguf(source):
-        from transformers.modeling_gguf_pytorch_utils import read_field
         from gguf import GGUFReader
+        from transformers.modeling_gguf_pytorch_utils import read_field
 
         reader = GGUFReader(str(source))
         for key, field in (("license", "general.license"), ("base_model", "general.name")):
@@ -754,20 +754,7 @@ def verify_conversion(source: str | Path, converted: str | Path, *, dtype: torch
 # ----------------------------------------------------------------------------------------------------------
 
 
-def _tolerance(text: str) -> float:
-    """`argparse` type of `--verify-tolerance`: a finite number >= 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not math.isfinite(value) or value < 0:
-        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text!r}")
-    return value
-
-
 def build_parser() -> argparse.ArgumentParser:
-    from lazy_tools.loading import positive_int
-
     parser = argparse.ArgumentParser(
         prog="lazy-convert",
         description="Convert a Llama checkpoint (HF folder or GGUF file) into a LazyLlama checkpoint.",
@@ -782,7 +769,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--dtype", default="auto", choices=["auto", *DTYPES], help="weight dtype (auto: the source's)")
     parser.add_argument("--max-shard-size", default="2GB", help="largest output shard, e.g. 2GB, 500MB")
     parser.add_argument("--verify", action="store_true", help="compare logits with the source; fail above tolerance")
-    parser.add_argument("--verify-tolerance", type=_tolerance, default=VERIFY_TOLERANCE,
+    parser.add_argument("--verify-tolerance", type=at_least(0.0, float), default=VERIFY_TOLERANCE,
                         help="max abs logit difference (a finite number >= 0)")
     parser.add_argument("--overwrite", action="store_true", help="replace a non-empty OUT that holds a model")
     parser.add_argument("--seed", type=int, default=0, help="seed of the distance-bias initialisation")

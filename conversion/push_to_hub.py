@@ -43,6 +43,7 @@ from conversion.checkpoint_files import (
     WEIGHTS_INDEX,
 )
 from conversion.model_card import card_for_push, load_statistics
+from lazy_tools.loading import at_least
 from modeling_lazy.modeling_lazy import LAZY_PARAMETER_NAMES
 
 try:  # the HTTP client huggingface_hub uses (httpx2 in huggingface_hub >= 2, httpx before)
@@ -415,26 +416,6 @@ def _summarise(paths: list[str], shown: int = 6) -> str:
     return ", ".join(items[:shown]) + (f" and {len(items) - shown} more" if len(items) > shown else "")
 
 
-def _positive_seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text!r}")
-    return value
-
-
-def _count(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="lazy-push",
@@ -452,9 +433,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--include", action="append", default=[], metavar="PATTERN",
                         help="also upload the files matching this glob pattern, relative to DIR (repeatable); by "
                              "default only the model's files are uploaded")
-    parser.add_argument("--timeout", type=_positive_seconds, default=DEFAULT_TIMEOUT,
+    parser.add_argument("--timeout", type=at_least(0.0, float, strictly=True), default=DEFAULT_TIMEOUT,
                         help="seconds without an answer before a request gives up (default: %(default)g)")
-    parser.add_argument("--retries", type=_count, default=DEFAULT_RETRIES,
+    parser.add_argument("--retries", type=at_least(0), default=DEFAULT_RETRIES,
                         help="retries after a time-out, a lost connection, 429 or 502/503/504 (default: %(default)s)")
     args = parser.parse_args(argv)
     try:

@@ -8,6 +8,7 @@ what to do.
 
 import argparse
 import codecs
+import math
 import re
 from contextlib import contextmanager
 from pathlib import Path
@@ -31,15 +32,24 @@ class ModelNotFound(ValueError):
 # ------------------------------------------------------------------------------------------------ arguments
 
 
-def positive_int(text: str) -> int:
-    """`argparse` type: a whole number >= 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
+def at_least(minimum: float, kind: type = int, *, strictly: bool = False):
+    """An `argparse` type: a finite `kind` (int or float) >= `minimum` (> with `strictly`), checked when parsed."""
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"expected {'a whole number' if kind is int else 'a number'}, got {text!r}") from None
+        if not math.isfinite(value) or value < minimum or strictly and value == minimum:
+            raise argparse.ArgumentTypeError(f"must be {'more than' if strictly else 'at least'} {minimum}, got {text}")
+        return value
+
+    parse.__name__ = kind.__name__  # what argparse names in "invalid ... value"
+    return parse
+
+
+positive_int = at_least(1)
 
 
 def resolve_device(name: str = "auto") -> torch.device:
