@@ -30,7 +30,7 @@ import torch.nn.functional as F
 import transformers
 
 import modeling_lazy  # noqa: F401
-from modeling_lazy import LazyLlamaConfig, LazyLlamaForCausalLM
+from modeling_lazy import LazyLlamaConfig, LazyLlamaForCausalLM, is_lazy_parameter
 from modeling_lazy.lazy_attention_reference import lazy_attention_metadata
 from modeling_lazy.lazy_attention_torch import lazy_attention_torch
 
@@ -160,8 +160,7 @@ def _models(size, tau_value):
     lazy = LazyLlamaForCausalLM(config).eval()
     llama_config = transformers.LlamaConfig(**{k: v for k, v in config.to_dict().items() if not k.startswith("lazy_")})
     llama = transformers.LlamaForCausalLM._from_config(llama_config, attn_implementation="sdpa").eval()
-    llama.load_state_dict({k: v for k, v in lazy.state_dict().items() if not k.endswith(("tau", "distance_bias"))},
-                          strict=False)
+    llama.load_state_dict({k: v for k, v in lazy.state_dict().items() if not is_lazy_parameter(k)}, strict=False)
     return lazy, llama
 
 

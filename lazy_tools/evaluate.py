@@ -14,7 +14,15 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from lazy_tools.checkpoints import DTYPES, NotALazyLlama, load_causal_lm, load_tokenizer, read_token_ids
+from lazy_tools.loading import (
+    DTYPES,
+    check_same_vocabulary,
+    device_argument,
+    load_causal_lm,
+    load_tokenizer,
+    positive_int,
+    read_token_ids,
+)
 from lazy_tools.metrics import perplexity
 
 
@@ -34,14 +42,15 @@ def _parser() -> argparse.ArgumentParser:
                                      description="Sliding-window perplexity of a LazyLlama checkpoint on a text file.")
     parser.add_argument("model", help="LazyLlama folder or Hub id (converted or trained)")
     parser.add_argument("--text", required=True, help="UTF-8 text file to score")
-    parser.add_argument("--context", type=int, default=512, help="tokens per window (default: %(default)s)")
-    parser.add_argument("--stride", type=int, help="tokens between window starts, 1..context; capped at context - 1 "
-                        "so that windows overlap by a token (default: context - 1)")
-    parser.add_argument("--max-tokens", type=int, help="score only the first N tokens of the text")
+    parser.add_argument("--context", type=positive_int, default=512, help="tokens per window (default: %(default)s)")
+    parser.add_argument("--stride", type=positive_int, help="tokens between window starts, 1..context; capped at "
+                        "context - 1 so that windows overlap by a token (default: context - 1)")
+    parser.add_argument("--max-tokens", type=positive_int, help="score only the first N tokens of the text")
     parser.add_argument("--baseline", help="also score a vanilla Llama or LazyLlama with the same tokenizer")
     parser.add_argument("--tokenizer", help="tokenizer folder (default: MODEL's)")
     parser.add_argument("--json", help="also write the results to this JSON file")
-    parser.add_argument("--device", default="auto", help="auto (CUDA if available), cpu, cuda, cuda:1, ...")
+    parser.add_argument("--device", default="auto", type=device_argument,
+                        help="auto (CUDA if available), cpu, cuda, cuda:1, ...")
     parser.add_argument("--dtype", default="float32", choices=list(DTYPES), help="weights dtype (default: %(default)s)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     return parser
@@ -57,6 +66,8 @@ def main(argv: list[str] | None = None) -> int:
             models.append((args.baseline, load_causal_lm(args.baseline, role="baseline", device=args.device,
                                                          dtype=args.dtype)))
         tokenizer = load_tokenizer(args.tokenizer or args.model)
+        if args.baseline:
+            check_same_vocabulary(tokenizer, models[0][1], models[1][1], args.baseline)
         ids = read_token_ids(args.text, tokenizer, args.max_tokens)
         results = []
         for name, model in models:
@@ -64,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
                 raise ValueError(f"token id {int(ids.max())} is outside {name}'s vocabulary "
                                  f"({model.config.vocab_size}): the models must share the tokenizer")
             results.append(evaluate_perplexity(model, ids, args.context, args.stride, name, not args.no_progress))
-    except (NotALazyLlama, ValueError, OSError) as error:
+    except (ValueError, OSError) as error:  # NotALazyLlama and ModelNotFound are ValueErrors
         raise SystemExit(f"lazy-evaluate: error: {error}") from None
     for result in results:
         print(f"{result['model']}: perplexity {result['perplexity']:.4f} (mean NLL {result['nll']:.4f} nats over "

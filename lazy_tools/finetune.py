@@ -34,18 +34,20 @@ from dataclasses import dataclass, field
 
 import torch
 from transformers import Trainer, TrainerCallback, TrainingArguments
+from transformers.trainer import TRAINER_STATE_NAME
 
 from lazy_tools.data import pack_token_blocks
+from lazy_tools.folders import deferred_signals, terminations_as_interrupts
+from lazy_tools.loading import ModelNotFound, check_text_file, missing_model_explained, without_gguf_quantization
 from lazy_tools.metrics import attention_statistics
+from modeling_lazy import is_lazy_parameter
 
-LAZY_PARAMETER_NAMES = ("tau", "distance_bias")
 MODES = ("full", "lazy-only", "lora")
 DEFAULT_LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
 
 
-def is_lazy_parameter(name: str) -> bool:
-    """True for `...self_attn.tau` and `...self_attn.distance_bias` (also under a PEFT or DDP wrapper)."""
-    return name.rsplit(".", 1)[-1] in LAZY_PARAMETER_NAMES
+class FinetuneError(ValueError):
+    """Input that `lazy-finetune` cannot train on; the message says what is wrong and what to do."""
 
 
 # --------------------------------------------------------------------------------------------- model
@@ -62,13 +64,9 @@ def load_model(path: str, tau_init: float = 0.0, bias_init_std: float = 0.0, dty
 
     from modeling_lazy import LazyLlamaConfig, LazyLlamaForCausalLM
 
-    config = LazyLlamaConfig.from_pretrained(path, lazy_tau_init=tau_init, lazy_bias_init_std=bias_init_std)
-    quantization = getattr(config, "quantization_config", None)
-    if isinstance(quantization, dict) and quantization.get("quant_method") == "gguf":
-        # A folder saved from a GGUF load keeps this note although its tensors are plain (dequantised) ones;
-        # left in place it makes Trainer refuse to train the model as "purely quantized".
-        del config.quantization_config
-    model = LazyLlamaForCausalLM.from_pretrained(path, config=config, dtype=dtype)
+    with missing_model_explained(path):
+        config = LazyLlamaConfig.from_pretrained(path, lazy_tau_init=tau_init, lazy_bias_init_std=bias_init_std)
+    model = LazyLlamaForCausalLM.from_pretrained(path, config=without_gguf_quantization(config), dtype=dtype)
     tokenizer = AutoTokenizer.from_pretrained(path)
     return model, tokenizer
 
@@ -110,7 +108,7 @@ def load_documents(files: list[str], text_column: str = "text"):
     from datasets import concatenate_datasets, load_dataset
 
     if not files:
-        raise ValueError("no data files given")
+        raise FinetuneError("no data files given")
     json_files = [f for f in files if f.endswith((".json", ".jsonl"))]
     text_files = [f for f in files if f not in json_files]
     parts = []
@@ -119,7 +117,7 @@ def load_documents(files: list[str], text_column: str = "text"):
     if json_files:
         part = load_dataset("json", data_files=json_files, split="train")
         if text_column not in part.column_names:
-            raise ValueError(f"JSON-lines files have no column {text_column!r} (columns: {part.column_names}); "
+            raise FinetuneError(f"JSON-lines files have no column {text_column!r} (columns: {part.column_names}); "
                              "pass --text_column")
         part = part.select_columns([text_column])
         if text_column != "text":
@@ -153,7 +151,8 @@ def packed_dataset(documents, tokenizer, block_size: int, docs_per_pack: int = 1
     blocks = tokens.map(pack, batched=True, batch_size=docs_per_pack, remove_columns=["ids"], num_proc=num_proc,
                         desc=f"packing into blocks of {block_size}")
     if len(blocks) == 0:
-        raise ValueError(f"the data holds fewer than {block_size} tokens: no block to train on")
+        raise FinetuneError(f"the data holds fewer than {block_size} tokens: no block to train on; give more text or "
+                            "a smaller --block_size")
     return blocks
 
 
@@ -343,11 +342,57 @@ def parse_args(argv=None):
     return args, training_args
 
 
-def finetune(args: FinetuneArguments, training_args: TrainingArguments) -> LazyTrainer:
-    """Everything `lazy-finetune` does: load, pack, train (resuming if asked), save, evaluate. Returns the trainer."""
-    from transformers.trainer_utils import get_last_checkpoint
+def check_data_and_resume(args: FinetuneArguments, training_args: TrainingArguments) -> None:
+    """What can be refused before the model loads: the data files (missing, empty, blank, not UTF-8), a
+    `--block_size` below 2, a `--resume_from_checkpoint` folder that does not exist. `FinetuneError`."""
+    for role, files in (("--train_file", args.train_file), ("--eval_file", args.eval_file)):
+        for path in files:
+            try:
+                check_text_file(path, what=role)
+            except (OSError, ValueError) as error:
+                raise FinetuneError(str(error)) from None
+    if args.block_size < 2:
+        raise FinetuneError(f"--block_size must be at least 2 (a token and its successor), got {args.block_size}")
+    resume = training_args.resume_from_checkpoint
+    if resume is not None and resume.lower() not in ("last", "true") and not os.path.isdir(resume):
+        raise FinetuneError(f"--resume_from_checkpoint {resume}: no such checkpoint folder (give a checkpoint-N "
+                            "folder, or `last` for the newest one in --output_dir)")
 
+
+def newest_complete_checkpoint(output_dir: str) -> tuple[str | None, list[str]]:
+    """(the newest `checkpoint-N` folder of `output_dir` that Trainer finished writing, the newer ones it did not).
+
+    Trainer writes a checkpoint in place and `trainer_state.json` last, so a folder without it is one whose save
+    was interrupted (or killed): resuming from it would fail."""
+    from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+    steps = {}
+    if os.path.isdir(output_dir):
+        for name in os.listdir(output_dir):
+            step = name.removeprefix(f"{PREFIX_CHECKPOINT_DIR}-")
+            if step.isdigit() and os.path.isdir(os.path.join(output_dir, name)):
+                steps[int(step)] = os.path.join(output_dir, name)
+    incomplete = []
+    for step in sorted(steps, reverse=True):
+        if os.path.isfile(os.path.join(steps[step], TRAINER_STATE_NAME)):
+            return steps[step], incomplete
+        incomplete.append(steps[step])
+    return None, incomplete
+
+
+def check_block_size(block_size: int, config) -> None:
+    """A block must fit the model's positions (`max_position_embeddings`)."""
+    if block_size > config.max_position_embeddings:
+        raise FinetuneError(f"--block_size {block_size} is more than the model's max_position_embeddings "
+                            f"({config.max_position_embeddings}): use at most {config.max_position_embeddings}")
+
+
+def finetune(args: FinetuneArguments, training_args: TrainingArguments) -> LazyTrainer:
+    """Everything `lazy-finetune` does: check the input, load, pack, train (resuming if asked), save, evaluate.
+    Returns the trainer; `FinetuneError` for input it cannot train on (before any tokenising)."""
+    check_data_and_resume(args, training_args)
     model, tokenizer = load_model(args.model_name_or_path, args.tau_init, args.bias_init_std)
+    check_block_size(args.block_size, model.config)
     with training_args.main_process_first(desc="tokenising and packing"):
         train = packed_dataset(load_documents(args.train_file, args.text_column), tokenizer, args.block_size)
         evaluation = None
@@ -366,14 +411,17 @@ def finetune(args: FinetuneArguments, training_args: TrainingArguments) -> LazyT
 
     resume = training_args.resume_from_checkpoint
     if resume is not None and resume.lower() in ("last", "true"):
-        resume = get_last_checkpoint(training_args.output_dir)
+        resume, incomplete = newest_complete_checkpoint(training_args.output_dir)
+        for path in incomplete:
+            print(f"skipping {path}: incomplete (no {TRAINER_STATE_NAME}; its save was interrupted)", file=sys.stderr)
         if resume is None:
-            print(f"no checkpoint in {training_args.output_dir}: starting from scratch", file=sys.stderr)
+            print(f"no complete checkpoint in {training_args.output_dir}: starting from scratch", file=sys.stderr)
     trainer.train(resume_from_checkpoint=resume)
-    trainer.save_model()
-    trainer.save_state()
-    if trainer.is_world_process_zero():
-        tokenizer.save_pretrained(training_args.output_dir)
+    with deferred_signals():  # an interrupt waits until the final model is written whole
+        trainer.save_model()
+        trainer.save_state()
+        if trainer.is_world_process_zero():
+            tokenizer.save_pretrained(training_args.output_dir)
     if evaluation is not None:
         trainer.evaluate()
         trainer.save_state()
@@ -385,7 +433,18 @@ def main(argv=None) -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     import modeling_lazy  # noqa: F401  (registers LazyLlama with the Auto classes)
 
-    finetune(*parse_args(argv))
+    args, training_args = parse_args(argv)
+    try:
+        with terminations_as_interrupts():  # SIGTERM and SIGHUP stop the run as Ctrl-C does
+            finetune(args, training_args)
+    except (FinetuneError, ModelNotFound) as error:
+        raise SystemExit(f"lazy-finetune: error: {error}") from None
+    except KeyboardInterrupt:
+        checkpoint, _ = newest_complete_checkpoint(training_args.output_dir)
+        where = (f"the newest complete checkpoint is {checkpoint}: continue with --resume_from_checkpoint last"
+                 if checkpoint else "no checkpoint was saved")
+        print(f"lazy-finetune: interrupted; {where}.", file=sys.stderr)
+        raise SystemExit(130) from None
 
 
 if __name__ == "__main__":

@@ -23,8 +23,17 @@ from pathlib import Path
 
 import torch
 
-from lazy_tools.checkpoints import DTYPES, NotALazyLlama, load_causal_lm, load_tokenizer, read_token_ids
+from lazy_tools.loading import (
+    DTYPES,
+    check_same_vocabulary,
+    device_argument,
+    load_causal_lm,
+    load_tokenizer,
+    positive_int,
+    read_token_ids,
+)
 from lazy_tools.metrics import TILE, attention_statistics, attention_weights
+from modeling_lazy import lazy_attention_modules
 
 SCHEMA_VERSION = 1
 SCHEMA_FILE = Path(__file__).with_name("inspect_report.schema.json")
@@ -43,14 +52,10 @@ PLOTS = {
 # ------------------------------------------------------------------------------------------------------
 
 
-def _attention_modules(model):
-    return [layer.self_attn for layer in getattr(model, "model", model).layers]
-
-
 @contextmanager
 def tau_zero(model):
     """Temporarily set every `tau` of a LazyLlama to 0 (the `--baseline tau=0` view of the same weights)."""
-    modules = [m for m in _attention_modules(model) if hasattr(m, "tau")]
+    modules = lazy_attention_modules(model)
     saved = [m.tau.detach().clone() for m in modules]
     try:
         with torch.no_grad():
@@ -87,11 +92,11 @@ def measure(model, name: str, text_ids: torch.Tensor, repeated_ids: torch.Tensor
     entry = _describe(model, name)
     entry["text"] = attention_statistics(model, text_ids, tile=tile)
     entry["repeated"] = attention_statistics(model, repeated_ids, tile=tile)
-    modules = _attention_modules(model)
+    modules = lazy_attention_modules(model)  # none for a vanilla Llama
     text_maps = attention_weights(model, text_ids[:1, :map_tokens])[0]
     repeated_maps = attention_weights(model, repeated_ids[:1, :map_tokens])[0]
     views = {
-        "bias": [m.distance_bias.detach().float().cpu() for m in modules] if hasattr(modules[0], "distance_bias") else None,
+        "bias": [m.distance_bias.detach().float().cpu() for m in modules] if modules else None,
         "tau": torch.tensor([layer["tau"] for layer in entry["text"]["layers"]]),
         "text_maps": [w[0].cpu() for w in text_maps],
         "repeated_maps": [w[0].cpu() for w in repeated_maps],
@@ -360,14 +365,16 @@ def _parser() -> argparse.ArgumentParser:
                         f"'{TAU_ZERO}' for MODEL with every tau set to 0")
     parser.add_argument("--out", default="inspect-out", help="output folder (default: %(default)s)")
     parser.add_argument("--tokenizer", help="tokenizer folder (default: MODEL's)")
-    parser.add_argument("--tokens", type=int, default=512, help="tokens per window (default: %(default)s)")
-    parser.add_argument("--windows", type=int, default=1, help="consecutive windows to average over "
+    parser.add_argument("--tokens", type=positive_int, default=512, help="tokens per window (default: %(default)s)")
+    parser.add_argument("--windows", type=positive_int, default=1, help="consecutive windows to average over "
                         "(default: %(default)s; memory grows with layers x heads x windows x tokens^2)")
-    parser.add_argument("--repeated-length", type=int, default=128, help="length of the repeated-token "
+    parser.add_argument("--repeated-length", type=positive_int, default=128, help="length of the repeated-token "
                         "sequence (default: %(default)s)")
-    parser.add_argument("--map-tokens", type=int, default=64, help="tokens shown in attention maps (default: %(default)s)")
+    parser.add_argument("--map-tokens", type=positive_int, default=64,
+                        help="tokens shown in attention maps (default: %(default)s)")
     parser.add_argument("--map-layers", help="comma-separated layers for the attention maps (default: first, middle, last)")
-    parser.add_argument("--device", default="auto", help="auto (CUDA if available), cpu, cuda, cuda:1, ...")
+    parser.add_argument("--device", default="auto", type=device_argument,
+                        help="auto (CUDA if available), cpu, cuda, cuda:1, ...")
     parser.add_argument("--dtype", default="float32", choices=list(DTYPES), help="weights dtype (default: %(default)s)")
     return parser
 
@@ -382,6 +389,8 @@ def main(argv: list[str] | None = None) -> int:
         elif args.baseline:
             baseline = load_causal_lm(args.baseline, role="baseline", device=args.device, dtype=args.dtype)
         tokenizer = load_tokenizer(args.tokenizer or args.model)
+        if baseline is not None and not isinstance(baseline, str):
+            check_same_vocabulary(tokenizer, model, baseline, args.baseline)
         if args.text is None:
             from lazy_tools.data import brown_text_file
 
@@ -397,7 +406,7 @@ def main(argv: list[str] | None = None) -> int:
             baseline_name=args.baseline, text_file=args.text, map_tokens=args.map_tokens, map_layers=map_layers,
             repeated_length=args.repeated_length,
         )
-    except (NotALazyLlama, ValueError, OSError) as error:
+    except (ValueError, OSError) as error:  # NotALazyLlama and ModelNotFound are ValueErrors
         raise SystemExit(f"lazy-inspect: error: {error}") from None
     print(summary(report, args.out))
     return 0

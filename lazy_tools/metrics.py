@@ -14,6 +14,7 @@ from contextlib import contextmanager
 
 import torch
 
+from modeling_lazy import lazy_attention_modules
 from modeling_lazy.lazy_attention_reference import lazy_attention_metadata, lazy_visibility
 
 TILE = 64
@@ -66,6 +67,7 @@ def attention_statistics(model, input_ids: torch.Tensor, attention_mask: torch.T
     rows = row_visible > 0  # queries that see at least one key
     first_key = visible & (k_pos == 0)[:, None, None, :]  # [B, 1, T, T]
     sink_rows = rows & (q_pos > 0)[:, None, :]
+    lazy = lazy_attention_modules(model)  # none for a vanilla Llama: tau 0
     layers = []
     for layer, w in enumerate(weights):
         zeros = ((w == 0) & visible).sum(-1).float()  # [B, H, T]
@@ -76,8 +78,7 @@ def attention_statistics(model, input_ids: torch.Tensor, attention_mask: torch.T
         surviving = (mass * rows).sum(dim=(0, 2)) / row_count
         sink_w = (w * first_key).sum(-1)
         sink = (sink_w * sink_rows).sum(dim=(0, 2)) / sink_rows.float().sum(dim=(0, 2)).clamp(min=1)
-        attn = _attention_module(model, layer)
-        tau = attn.tau.detach().float().cpu() if hasattr(attn, "tau") else torch.zeros(w.shape[1])
+        tau = lazy[layer].tau.detach().float().cpu() if lazy else torch.zeros(w.shape[1])
         layers.append({
             "sparsity": sparsity.cpu().tolist(),
             "tile_density": _tile_density(w, visible, tile).cpu().tolist(),
@@ -88,11 +89,6 @@ def attention_statistics(model, input_ids: torch.Tensor, attention_mask: torch.T
     keys = ("sparsity", "tile_density", "sink", "surviving_mass", "tau")
     mean = {k: sum(sum(layer[k]) / len(layer[k]) for layer in layers) / len(layers) for k in keys}
     return {"layers": layers, "mean": mean}
-
-
-def _attention_module(model, layer: int):
-    base = getattr(model, "model", model)
-    return base.layers[layer].self_attn
 
 
 @torch.no_grad()

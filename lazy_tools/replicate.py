@@ -39,7 +39,13 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from lazy_tools.data import brown_documents, pack_token_blocks
 from lazy_tools.metrics import attention_statistics, attention_weights, perplexity
-from modeling_lazy import LazyLlamaConfig, LazyLlamaForCausalLM
+from modeling_lazy import (
+    LAZY_PARAMETER_NAMES,
+    LazyLlamaConfig,
+    LazyLlamaForCausalLM,
+    is_lazy_parameter,
+    lazy_attention_modules,
+)
 
 VARIANTS = ("vanilla", "lazy", "bias_only", "tau_only")
 VOCAB = 256  # UTF-8 bytes
@@ -84,11 +90,10 @@ def build_model(variant: str, args):
     torch.manual_seed(args.seed + 1)  # tau / distance_bias init, identical for the three lazy variants
     model = LazyLlamaForCausalLM(config)
     missing, unexpected = model.load_state_dict(vanilla.state_dict(), strict=False)
-    if unexpected or any(not k.endswith(("self_attn.tau", "self_attn.distance_bias")) for k in missing):
+    if unexpected or not all(is_lazy_parameter(k) for k in missing):
         raise RuntimeError(f"Llama -> LazyLlama weight copy mismatch: missing {missing}, unexpected {unexpected}")
     with torch.no_grad():
-        for layer in model.model.layers:
-            attn = layer.self_attn
+        for attn in lazy_attention_modules(model):
             if variant == "bias_only":
                 attn.tau.zero_()
                 attn.tau.requires_grad_(False)
@@ -106,8 +111,7 @@ def optimizer(model, args) -> torch.optim.AdamW:
     for name, param in model.named_parameters():
         if not param.requires_grad:
             continue
-        lazy_extra = name.endswith(("self_attn.tau", "self_attn.distance_bias"))
-        (decay if param.dim() >= 2 and not lazy_extra else no_decay).append(param)
+        (decay if param.dim() >= 2 and not is_lazy_parameter(name) else no_decay).append(param)
     groups = [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     return torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95))
 
@@ -178,13 +182,10 @@ def evaluate(model, test_documents: list[str], args) -> dict:
 
 def lazy_parameters(model) -> dict:
     """Learned `tau [layers][heads]` and `distance_bias [layers][heads][W]` (empty for vanilla)."""
-    layers = getattr(model, "model", model).layers
-    if not hasattr(layers[0].self_attn, "tau"):
+    modules = lazy_attention_modules(model)
+    if not modules:
         return {}
-    return {
-        "tau": [layer.self_attn.tau.detach().tolist() for layer in layers],
-        "distance_bias": [layer.self_attn.distance_bias.detach().tolist() for layer in layers],
-    }
+    return {name: [getattr(m, name).detach().tolist() for m in modules] for name in LAZY_PARAMETER_NAMES}
 
 
 def results_table(results: dict) -> str:

@@ -301,6 +301,12 @@ class LazyLlamaPreTrainedModel(PreTrainedModel):
         where this project is not installed. `push_to_hub` saves through here, so it uploads the code too.
         """
         self.config.auto_map = dict(AUTO_MAP)
+        state_dict = kwargs.get("state_dict")
+        lazy = [p for n, p in self.named_parameters() if is_lazy_parameter(n)]
+        if state_dict is None and any(p.dtype != torch.float32 for p in lazy):
+            state_dict = self.state_dict()  # after model.to(bf16): tau and distance_bias are saved float32 anyway
+        if state_dict is not None:
+            kwargs["state_dict"] = {n: t.float() if is_lazy_parameter(n) else t for n, t in state_dict.items()}
         result = super().save_pretrained(save_directory, *args, **kwargs)
         if kwargs.get("is_main_process", True):
             for path in code_files():
@@ -363,6 +369,8 @@ class LazyLlamaModel(LazyLlamaPreTrainedModel):
             cache = DynamicCache(config=self.config)
 
         bsz, q_len = inputs_embeds.shape[:2]
+        if q_len == 0:
+            raise ValueError("The input has no tokens (input_ids of shape [batch, 0]): give at least one per row.")
         past = cache.get_seq_length() if cache is not None else 0
         lazy_metadata = lazy_attention_metadata(
             attention_mask, position_ids, past, q_len, bsz, inputs_embeds.device, kwargs.get("cu_seq_lens_q")

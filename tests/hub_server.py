@@ -12,6 +12,8 @@ with FakeHub(tokens={"hf_writer": "alice"}) as hub:
     hub.repos["alice/tiny"].files()                             # {path: bytes} at the head of main
 ```
 
+`SilentHub` is the other kind of server: it accepts connections and never answers (for time-out tests).
+
 Access rules (like the Hub's): reading a public repository needs no token; reading a private one needs
 its owner's token; writing needs a known token (else 401) whose user is the namespace (else 403).
 """
@@ -20,6 +22,7 @@ import base64
 import hashlib
 import json
 import re
+import socket
 import threading
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -130,6 +133,11 @@ class FakeHub:
         """Answer the next `times` requests `method` whose path contains `path_contains` with `status`."""
         with self._lock:
             self._failures.append(_Failure(method.upper(), path_contains, status, times))
+
+    def clear_failures(self) -> None:
+        """Forget injected failures that no request has met yet."""
+        with self._lock:
+            self._failures.clear()
 
     def requests(self, method: str, path_contains: str = "") -> list[tuple[str, str, int]]:
         return [entry for entry in self.log if entry[0] == method.upper() and path_contains in entry[1]]
@@ -376,3 +384,44 @@ class _Handler(BaseHTTPRequestHandler):
         content = commit.files[path]
         headers = {"X-Repo-Commit": commit.sha, "ETag": f'"{git_blob_sha1(content)}"'}
         return self._send(200, content, headers, head=method == "HEAD")
+
+
+class SilentHub:
+    """A server that accepts connections on 127.0.0.1 and never answers: a Hub that hangs.
+
+    `hub.url` is the endpoint; `hub.accepted` counts the connections taken (a client got that far).
+    """
+
+    def __init__(self):
+        self.accepted = 0
+        self._socket: socket.socket | None = None
+        self._connections: list[socket.socket] = []
+
+    def start(self) -> "SilentHub":
+        self._socket = socket.create_server(("127.0.0.1", 0))
+        threading.Thread(target=self._accept, daemon=True).start()
+        return self
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                connection, _ = self._socket.accept()
+            except OSError:  # closed by stop()
+                return
+            self._connections.append(connection)  # kept open, never read, never answered
+            self.accepted += 1
+
+    def stop(self) -> None:
+        for connection in [self._socket, *self._connections]:
+            connection.close()
+
+    def __enter__(self) -> "SilentHub":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    @property
+    def url(self) -> str:
+        host, port = self._socket.getsockname()[:2]
+        return f"http://{host}:{port}"

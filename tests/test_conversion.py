@@ -3,8 +3,11 @@ bad input (clear error, non-zero exit, no partial output), and one real SmolLM2-
 
 import json
 import os
+import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -46,6 +49,17 @@ def assert_same_as_source(source: Path, output: Path):
 
 def no_leftovers(parent: Path, name: str) -> bool:
     return not (parent / name).exists() and not list(parent.glob(f".{name}.*"))
+
+
+def _seed(out: Path) -> int:
+    """The `--seed` of the conversion in `out`: tells two conversions of one source apart."""
+    return json.loads((out / "lazy_conversion.json").read_text())["seed"]
+
+
+def _complete(out: Path) -> bool:
+    """`out` holds a whole conversion: it loads and its settings are there."""
+    LazyLlamaForCausalLM.from_pretrained(out)
+    return (out / "lazy_conversion.json").is_file()
 
 
 @pytest.mark.parametrize(
@@ -183,6 +197,8 @@ def test_refuses_other_architectures_and_features(tmp_path, capsys):
         ({"sliding_window": 64}, "sliding-window"),
         ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4}}, "RoPE type 'longrope'"),
         ({"quantization_config": {"quant_method": "bitsandbytes"}}, "quantized"),
+        ({"vocab_size": "96"}, "invalid configuration: Validation error for field 'vocab_size'"),
+        ({"num_hidden_layers": -1}, "num_hidden_layers must be an integer >= 1"),
     ):
         (source / "config.json").write_text(json.dumps({**config, **patch}))
         _refused(tmp_path, capsys, source, message)
@@ -210,15 +226,248 @@ def test_refuses_missing_and_corrupt_weights(tmp_path, capsys):
     _refused(tmp_path, capsys, tmp_path / "nothing-here", "does not exist")
 
 
-def test_existing_output_needs_overwrite_and_interruption_leaves_nothing(tmp_path, capsys, monkeypatch):
+def test_refuses_bad_index_window_and_keeps_the_source_dtype(tmp_path, capsys):
+    source = tiny_llama(tmp_path / "src", max_shard_size="40KB", num_key_value_heads=2)
+    index = json.loads((source / "model.safetensors.index.json").read_text())
+    (source / "model.safetensors.index.json").write_text(json.dumps({**index, "weight_map": list(index["weight_map"])}))
+    _refused(tmp_path, capsys, source, "`weight_map` must map tensor names to file names, got a list")
+    # a window longer than the model's positions is refused before anything is written (TINY: 256 positions)
+    single = tiny_llama(tmp_path / "single", num_key_value_heads=2)
+    _refused(tmp_path, capsys, single, "--bias-window 257 is larger than the model's max_position_embeddings (256)",
+             "--bias-window", "257")
+    cv.convert(single, tmp_path / "fits", bias_window=256, **QUIET)  # the whole range is fine
+    # --dtype auto keeps the dtype of the stored tensors when the config names none
+    bf16 = tmp_path / "bf16"
+    LlamaForCausalLM.from_pretrained(single).to(torch.bfloat16).save_pretrained(bf16)
+    config = json.loads((bf16 / "config.json").read_text())
+    config.pop("dtype", None), config.pop("torch_dtype", None)
+    (bf16 / "config.json").write_text(json.dumps(config))
+    summary = cv.convert(bf16, tmp_path / "bf16-lazy", **QUIET)
+    assert summary["dtype"] == "bfloat16"
+    lazy = LazyLlamaForCausalLM.from_pretrained(tmp_path / "bf16-lazy")
+    assert lazy.model.embed_tokens.weight.dtype == torch.bfloat16
+    assert lazy.model.layers[0].self_attn.tau.dtype == torch.float32
+    assert json.loads((tmp_path / "bf16-lazy" / "config.json").read_text())["dtype"] == "bfloat16"
+
+
+# ------------------------------------------------------------------------------------- concurrency and interrupts
+
+PAUSED_CONVERSION = r"""
+import os, sys, time
+from conversion import convert_llama_to_lazy as cv
+
+paused, go = sys.argv[1], sys.argv[2]
+finish = cv.ShardWriter.finish
+
+def paused_finish(self):  # the hidden temporary folder holds the shards; OUT is untouched so far
+    open(paused, "w").close()
+    deadline = time.time() + 120
+    while not os.path.exists(go) and time.time() < deadline:
+        time.sleep(0.02)
+    return finish(self)
+
+cv.ShardWriter.finish = paused_finish
+sys.exit(cv.main(sys.argv[3:]))
+"""
+
+
+def start_paused(tmp_path: Path, name: str, *args) -> tuple[subprocess.Popen, Path]:
+    """A `lazy-convert` process stopped in the middle of writing (it waits for the returned file to exist)."""
+    paused, go = tmp_path / f"{name}.paused", tmp_path / f"{name}.go"
+    process = subprocess.Popen([sys.executable, "-c", PAUSED_CONVERSION, str(paused), str(go), *map(str, args)],
+                               cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while not paused.exists():
+        assert process.poll() is None and time.time() < deadline, process.communicate()
+        time.sleep(0.02)
+    return process, go
+
+
+def test_two_conversions_into_one_out_never_both_win(tmp_path, capsys):
+    """A second run into an OUT that another run is writing is refused at once, with and without --overwrite;
+    the first one then completes, and OUT is its whole conversion."""
+    source = tiny_llama(tmp_path / "src", num_key_value_heads=2)
+    out = tmp_path / "out"
+    for first_seed, overwrite in ((1, []), (3, ["--overwrite"])):
+        first, go = start_paused(tmp_path, f"first-{first_seed}", source, out, "--seed", first_seed, *overwrite)
+        assert cv.main([str(source), str(out), "--seed", str(first_seed + 1), *overwrite]) == 1
+        assert f"another process (pid {first.pid}) is writing {out}" in capsys.readouterr().err
+        go.touch()
+        assert first.wait(timeout=300) == 0, first.communicate()
+        assert _seed(out) == first_seed and _complete(out)
+        assert not list(tmp_path.glob(".out.*"))
+    assert cv.main([str(source), str(out), "--seed", "9"]) == 1  # after the fact, without --overwrite: refused
+    assert "pass --overwrite" in capsys.readouterr().err and _seed(out) == 3
+
+
+def test_hangup_cleans_up_and_a_killed_run_is_cleaned_up_later(tmp_path, capsys):
+    source = tiny_llama(tmp_path / "src", num_key_value_heads=2)
+    process, _ = start_paused(tmp_path, "hangup", source, tmp_path / "out")
+    assert list(tmp_path.glob(".out.tmp-*")), "the paused run should have a temporary folder"
+    process.send_signal(signal.SIGHUP)  # the terminal was closed
+    _, err = process.communicate(timeout=120)
+    assert process.returncode == 130, err
+    assert "interrupted; OUT was left as it was" in err and "Traceback" not in err
+    assert no_leftovers(tmp_path, "out")
+    # SIGKILL cannot be handled: the temporary folder stays, and the next run into OUT removes it
+    process, _ = start_paused(tmp_path, "kill", source, tmp_path / "out")
+    process.kill()
+    process.communicate(timeout=120)
+    assert list(tmp_path.glob(".out.tmp-*"))
+    assert cv.main([str(source), str(tmp_path / "out")]) == 0
+    assert "left by an interrupted run" in capsys.readouterr().out
+    assert not list(tmp_path.glob(".out.*")) and _complete(tmp_path / "out")
+
+
+@pytest.mark.parametrize("exchange", [True, False], ids=["one-exchange", "two-renames"])
+def test_interrupt_while_out_is_replaced_leaves_a_whole_out_and_says_which(tmp_path, capsys, monkeypatch, exchange):
+    """SIGTERM right after the first file-system step that touches OUT during the final swap (for the two-rename
+    protocol, between the renames): OUT is never missing, and the message names what it holds."""
+    source = tiny_llama(tmp_path / "src", num_key_value_heads=2)
+    out = tmp_path / "out"
+    assert cv.main([str(source), str(out), "--seed", "1"]) == 0
+    fired = []
+
+    def signalling(move):
+        def wrapper(src, dst, *args, **kwargs):
+            result = move(src, dst, *args, **kwargs)
+            if out in (Path(src), Path(dst)) and not fired:
+                fired.append(move)
+                os.kill(os.getpid(), signal.SIGTERM)
+            return result
+        return wrapper
+
+    monkeypatch.setattr(os, "rename", signalling(os.rename))
+    monkeypatch.setattr(os, "replace", signalling(os.replace))
+    try:
+        from lazy_tools import folders
+    except ImportError:  # the code before the swap protocol: the renames above are all there is
+        folders = None
+    if folders is not None:
+        monkeypatch.setattr(folders, "_exchange", signalling(folders._exchange) if exchange else lambda a, b: False)
+    capsys.readouterr()
+    code = cv.main([str(source), str(out), "--overwrite", "--seed", "2"])
+    err = capsys.readouterr().err
+    assert fired, "the swap never touched OUT"
+    assert code == 130 and out.is_dir(), err
+    assert "OUT holds the new conversion" in err and _seed(out) == 2 and _complete(out)
+    assert not list(tmp_path.glob(".out.*"))
+
+
+def test_sigterm_at_any_moment_after_writing_reports_what_out_holds(tmp_path, capsys, monkeypatch):
+    """SIGTERM 0-60 ms after "wrote N shard(s)": whatever the moment, OUT is a whole conversion (the old or the
+    new one), the message says which, and nothing hidden is left beside it."""
+    import threading
+
+    source = tiny_llama(tmp_path / "src", num_key_value_heads=2)
+    out = tmp_path / "out"
+    assert cv.main([str(source), str(out), "--seed", "0"]) == 0
+    stray = []
+    previous = signal.signal(signal.SIGTERM, lambda *args: stray.append(args))  # a late signal must not end pytest
+    stdout = sys.stdout
+    outcomes = []
+    try:
+        for seed, delay in enumerate((0.0, 0.001, 0.002, 0.004, 0.008, 0.015, 0.03, 0.06), start=1):
+            timers = []
+
+            class Watch:  # stdout that starts the timer when the conversion says it wrote its shards
+                def write(self, text):
+                    if "wrote" in text and not timers:
+                        timers.append(threading.Timer(delay, os.kill, (os.getpid(), signal.SIGTERM)))
+                        timers[0].start()
+                    return len(text)
+
+                def flush(self):
+                    pass
+
+            sys.stdout = Watch()
+            before = _seed(out)
+            code = cv.main([str(source), str(out), "--overwrite", "--seed", str(seed)])
+            timers[0].join()
+            sys.stdout = stdout
+            err = capsys.readouterr().err
+            now = _seed(out)
+            assert _complete(out) and not list(tmp_path.glob(".out.*")), (delay, err)
+            if code == 0:
+                assert now == seed
+            else:
+                assert code == 130, err
+                assert now == (seed if "OUT holds the new conversion" in err else before), (delay, err)
+            outcomes.append((delay, code, now == seed))
+    finally:
+        sys.stdout = stdout
+        signal.signal(signal.SIGTERM, previous)
+    print("delay, exit code, new conversion in OUT:", outcomes)
+
+
+# ------------------------------------------------------------------------------------- read-only, full, mounted OUT
+
+MOUNTED_RUNS = r"""
+import contextlib, io, json, os, shutil, sys, types
+from conversion.convert_llama_to_lazy import main
+
+source, read_only, small, mounted = sys.argv[1:]
+
+def attempt(*args):
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main([source, *args])
+        except BaseException as error:  # what the user would see as a traceback
+            code = f"raised {type(error).__name__}: {error}"
+    return {"code": code, "stdout": out.getvalue(), "stderr": err.getvalue()}
+
+results = {"read_only": attempt(read_only + "/models/out"), "full": attempt(small + "/out"),
+           "mount_point": attempt(mounted, "--overwrite")}
+shutil.disk_usage = lambda path: types.SimpleNamespace(total=10**12, used=0, free=10**12)  # "there is room"
+results["fills_up"] = attempt(small + "/out")
+results["left_on_full_disk"] = sorted(os.listdir(small))
+print("RESULTS" + json.dumps(results))
+"""
+
+
+def test_read_only_full_and_mounted_out_are_refused_in_one_line(tmp_path):
+    """In a private mount namespace: OUT on a read-only file system, on one too small for the model (refused
+    before converting), on one that fills up while writing, and OUT being a mount point (refused before
+    converting, where it used to fail only at the final rename)."""
+    if shutil.which("unshare") is None or subprocess.run(
+            ["unshare", "--mount", "--propagation", "private", "true"], capture_output=True).returncode != 0:
+        pytest.skip("needs `unshare --mount` (root, or user namespaces) to mount a small or read-only file system")
+    source = tiny_llama(tmp_path / "src", num_key_value_heads=2)
+    read_only, small, mounted = tmp_path / "ro", tmp_path / "small", tmp_path / "mnt" / "out"
+    setup = (f"set -e; mkdir -p {read_only} {small} {mounted}; mount -t tmpfs -o size=4m tmpfs {read_only}; "
+             f"mkdir {read_only}/models; mount -o remount,ro {read_only}; mount -t tmpfs -o size=64k tmpfs {small}; "
+             f"mount -t tmpfs -o size=4m tmpfs {mounted}; set +e; ")
+    run = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c",
+                          setup + f'exec "$0" -c "$1" {source} {read_only} {small} {mounted}', sys.executable,
+                          MOUNTED_RUNS], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert "RESULTS" in run.stdout, run.stdout + run.stderr
+    results = json.loads(run.stdout.split("RESULTS", 1)[1])
+    for case, message in (("read_only", "Read-only file system"), ("full", "not enough free space beside"),
+                          ("mount_point", "is a mount point"), ("fills_up", "No space left on device")):
+        result = results[case]
+        lines = [line for line in result["stderr"].splitlines() if line.strip()]
+        assert result["code"] == 1 and len(lines) == 1 and message in lines[0], (case, result)
+        if case != "fills_up":
+            assert "wrote" not in result["stdout"], f"{case}: refused only after converting"
+    assert results["left_on_full_disk"] == [], "the temporary folder was left on the full disk"
+
+
+def test_existing_output_needs_overwrite_and_only_a_model_folder_is_replaced(tmp_path, capsys, monkeypatch):
     source = tiny_llama(tmp_path / "src", num_key_value_heads=2)
     out = tmp_path / "out"
     out.mkdir()
     (out / "keep.txt").write_text("mine")
     assert cv.main([str(source), str(out)]) == 1
     assert "pass --overwrite" in capsys.readouterr().err and (out / "keep.txt").read_text() == "mine"
-    assert cv.main([str(source), str(out), "--overwrite"]) == 0
-    assert not (out / "keep.txt").exists() and (out / "model.safetensors").is_file()
+    # --overwrite replaces a model folder only, never a folder of someone's files
+    assert cv.main([str(source), str(out), "--overwrite"]) == 1
+    err = capsys.readouterr().err
+    assert "does not look like a model folder" in err and "keep.txt" in err and (out / "keep.txt").read_text() == "mine"
+    (out / "keep.txt").unlink()  # an empty folder is as good as none
+    assert cv.main([str(source), str(out)]) == 0
+    assert cv.main([str(source), str(out), "--overwrite", "--seed", "1"]) == 0
+    assert _seed(out) == 1 and (out / "model.safetensors").is_file()
     assert not list(tmp_path.glob(".out.*"))
 
     def interrupted(self):
@@ -226,11 +475,22 @@ def test_existing_output_needs_overwrite_and_interruption_leaves_nothing(tmp_pat
 
     monkeypatch.setattr(cv.ShardWriter, "flush", interrupted)
     assert cv.main([str(source), str(tmp_path / "fresh")]) == 130
+    assert "OUT was left as it was" in capsys.readouterr().err
     assert no_leftovers(tmp_path, "fresh")
-    # a failing verification (tolerance below round-off) publishes nothing either
+    # a failing verification publishes nothing either
     monkeypatch.undo()
-    assert cv.main([str(source), str(tmp_path / "fresh"), "--verify", "--verify-tolerance", "-1"]) == 1
+    monkeypatch.setattr(cv, "verify_conversion", lambda *args, **kwargs: 1.0)
+    assert cv.main([str(source), str(tmp_path / "fresh"), "--verify"]) == 1
     assert "verification failed" in capsys.readouterr().err and no_leftovers(tmp_path, "fresh")
+
+
+@pytest.mark.parametrize("tolerance", ["-1", "nan", "inf"])
+def test_verify_tolerance_is_checked_when_parsed(tmp_path, capsys, tolerance):
+    source = tiny_llama(tmp_path / "src", num_key_value_heads=2)
+    with pytest.raises(SystemExit) as exit_info:
+        cv.main([str(source), str(tmp_path / "out"), "--verify", "--verify-tolerance", tolerance])
+    assert exit_info.value.code == 2 and "--verify-tolerance" in capsys.readouterr().err
+    assert no_leftovers(tmp_path, "out")
 
 
 def test_command_line_module(tmp_path):
@@ -294,3 +554,13 @@ def test_smollm2_converts_verifies_loads_and_generates(tmp_path):
     text = tokenizer.decode(generated[0, ids.shape[1]:])
     print("generated:", repr(text))
     assert generated.shape[1] == ids.shape[1] + 6 and "Paris" in text
+
+
+
+def test_a_folder_rebuilt_from_gguf_with_its_stale_quantization_note_converts(tmp_path):
+    """A plain folder whose config still names its GGUF source (`quantization_config: gguf`) converts and verifies."""
+    source = tiny_llama(tmp_path / "src", num_key_value_heads=2)
+    config = json.loads((source / "config.json").read_text())
+    (source / "config.json").write_text(json.dumps({**config, "quantization_config": {"quant_method": "gguf"}}))
+    assert cv.convert(source, tmp_path / "out", verify=True, **QUIET)["max_abs_diff"] <= 1e-4
+    assert "quantization_config" not in json.loads((tmp_path / "out" / "config.json").read_text())

@@ -14,16 +14,17 @@ from transformers import TrainingArguments
 
 import modeling_lazy  # noqa: F401
 from finetune_fixtures import write_corpora, write_tiny_model
+from lazy_tools import finetune
 from lazy_tools.finetune import (
     LazyAttentionCallback,
     PackedBlockCollator,
     build_trainer,
     configure_trainable,
-    is_lazy_parameter,
     load_documents,
     load_model,
     packed_dataset,
 )
+from modeling_lazy import is_lazy_parameter
 
 ROOT = Path(__file__).resolve().parents[1]
 BLOCK = 64
@@ -195,3 +196,95 @@ def test_torchrun_two_process_gloo_matches_single_process(workspace, tmp_path):
     weights = [load_file(str(d / "model.safetensors")) for d in (single, ddp)]
     for name, tensor in weights[0].items():
         torch.testing.assert_close(tensor, weights[1][name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_bad_input_is_refused_in_one_line_before_tokenising(workspace, tmp_path, monkeypatch):
+    def tokenised(*args, **kwargs):
+        raise AssertionError("the input should have been refused before tokenising")
+
+    monkeypatch.setattr(finetune, "packed_dataset", tokenised)
+    train = str(workspace["files"]["train"])
+    (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "blank.txt").write_text("  \n\n \t\n")
+    (tmp_path / "latin1.txt").write_bytes("un café au lait\n".encode("latin-1"))
+    cases = [
+        (["--train_file", str(tmp_path / "missing.txt")], "does not exist"),
+        (["--train_file", str(tmp_path / "empty.txt")], "is empty"),
+        (["--train_file", str(tmp_path / "blank.txt")], "holds only whitespace"),
+        (["--train_file", str(tmp_path / "latin1.txt")], "is not UTF-8 text (invalid byte at offset 6)"),
+        (["--train_file", train, "--eval_file", str(tmp_path / "empty.txt")], "--eval_file"),
+        (["--train_file", train, "--block_size", "0"], "--block_size must be at least 2"),
+        (["--train_file", train, "--block_size", "100000"], "more than the model's max_position_embeddings (512)"),
+        (["--train_file", train, "--resume_from_checkpoint", str(tmp_path / "nope")], "no such checkpoint folder"),
+        (["--train_file", train, "--model_name_or_path", str(tmp_path / "no-model")], "no-model: no such folder"),
+    ]
+    common = ["--model_name_or_path", str(workspace["model_dir"]), "--output_dir", str(tmp_path / "out"),
+              "--block_size", str(BLOCK), "--max_steps", "1", "--report_to", "none", "--use_cpu", "true"]
+    for extra, message in cases:
+        with pytest.raises(SystemExit) as exit_info:
+            finetune.main(common + extra)
+        text = str(exit_info.value.code)
+        assert text.startswith("lazy-finetune: error:") and message in text and "\n" not in text, (extra, text)
+
+
+def test_hangup_stops_training_in_one_line_and_last_skips_an_incomplete_checkpoint(workspace, tmp_path,
+                                                                                     monkeypatch, capsys):
+    import shutil
+    import signal
+
+    from transformers import TrainerCallback
+
+    class HangUpAtStep3(TrainerCallback):  # the terminal is closed during step 3 (checkpoint-2 is saved)
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == 3:
+                os.kill(os.getpid(), signal.SIGHUP)
+
+    build = finetune.build_trainer
+    monkeypatch.setattr(finetune, "build_trainer", lambda *args, **kwargs: build(*args, **kwargs,
+                                                                                 callbacks=[HangUpAtStep3()]))
+    out = tmp_path / "out"
+    argv = ["--model_name_or_path", str(workspace["model_dir"]), "--train_file", str(workspace["files"]["train"]),
+            "--output_dir", str(out), "--block_size", str(BLOCK), "--max_train_blocks", "8",
+            "--per_device_train_batch_size", "2", "--save_strategy", "steps", "--save_steps", "2",
+            "--logging_steps", "50", "--report_to", "none", "--disable_tqdm", "true", "--use_cpu", "true",
+            "--dataloader_num_workers", "0", "--stats_tokens", "16"]
+
+    def unhandled(*args):
+        raise AssertionError("lazy-finetune does not handle SIGHUP")
+
+    previous = signal.signal(signal.SIGHUP, unhandled)
+    try:
+        with pytest.raises(SystemExit) as exit_info:
+            finetune.main(argv + ["--max_steps", "50"])
+    finally:
+        signal.signal(signal.SIGHUP, previous)
+    assert exit_info.value.code == 130
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("lazy-finetune")]
+    assert lines == [f"lazy-finetune: interrupted; the newest complete checkpoint is {out / 'checkpoint-2'}: "
+                     "continue with --resume_from_checkpoint last."]
+    # a save that was killed half-way: checkpoint-4 without its trainer_state.json
+    (out / "checkpoint-4").mkdir()
+    shutil.copy(out / "checkpoint-2" / "model.safetensors", out / "checkpoint-4")
+    monkeypatch.setattr(finetune, "build_trainer", build)
+    finetune.main(argv + ["--max_steps", "4", "--resume_from_checkpoint", "last"])
+    assert f"skipping {out / 'checkpoint-4'}: incomplete" in capsys.readouterr().err
+    state = json.loads((out / "trainer_state.json").read_text())
+    assert state["global_step"] == 4 and (out / "checkpoint-4" / "trainer_state.json").is_file()
+
+
+def test_a_stale_gguf_quantization_note_does_not_stop_training_or_saving(workspace, tmp_path):
+    """A folder saved from a GGUF rebuild may still say `quantization_config: gguf` although its tensors are plain:
+    the loaders drop the note, so Trainer accepts the model and a loaded model can be saved again."""
+    import shutil
+
+    from lazy_tools.loading import load_causal_lm
+
+    folder = tmp_path / "noted"
+    shutil.copytree(workspace["model_dir"], folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "quantization_config": {"quant_method": "gguf"}}))
+    model = load_model(str(folder))[0]
+    build_trainer(model, training_args(tmp_path / "out"), workspace["train"])  # Trainer refuses "quantized" models
+    loaded = load_causal_lm(str(folder), device="cpu")
+    assert not getattr(loaded, "is_quantized", False)
+    loaded.save_pretrained(tmp_path / "again")

@@ -41,11 +41,13 @@ def _text() -> str:
     return " ".join(rng.choice(WORDS) for _ in range(400))
 
 
-def _tokenizer():
+def _tokenizer(reverse: bool = False):
+    """Word-level; `reverse` gives the same words and vocab size with other ids (another vocabulary)."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {"[UNK]": 0, "[BOS]": 1, "[EOS]": 2, **{w: i + 3 for i, w in enumerate(sorted(set(WORDS)))}}
+    words = sorted(set(WORDS), reverse=reverse)
+    vocab = {"[UNK]": 0, "[BOS]": 1, "[EOS]": 2, **{w: i + 3 for i, w in enumerate(words)}}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", bos_token="[BOS]", eos_token="[EOS]")
@@ -379,6 +381,55 @@ def test_lm_eval_harness_runs_a_local_task(tiny, tmp_path, monkeypatch):
         total += sum(_direct_nll(model, ids, 64, 64))
     words = sum(len(d.split()) for d in docs)
     assert word_ppl == pytest.approx(math.exp(total / words), rel=1e-4)
+
+
+def _error_of(tool, argv, capsys) -> str:
+    """The one-line error a tool ends with: its SystemExit message, or argparse's last line."""
+    with pytest.raises(SystemExit) as exit_info:
+        tool.main(argv)
+    if isinstance(exit_info.value.code, str):
+        return exit_info.value.code
+    assert exit_info.value.code == 2
+    return capsys.readouterr().err.strip().splitlines()[-1]
+
+
+def test_bad_arguments_and_missing_models_are_refused_in_one_line(tiny, tmp_path, capsys, monkeypatch):
+    import huggingface_hub
+
+    lazy, text = str(tiny["lazy"]), str(tiny["text"])
+    (tmp_path / "empty.txt").write_text("")
+    for tool, argv, message in [
+        (evaluate, [lazy, "--text", str(tmp_path / "empty.txt")], "is empty"),
+        (evaluate, [lazy, "--text", text, "--max-tokens", "0"], "argument --max-tokens: must be at least 1, got 0"),
+        (inspect_attention, [lazy, "--text", text, "--tokens", "0"], "argument --tokens: must be at least 1"),
+        (inspect_attention, [lazy, "--text", text, "--repeated-length", "0"], "argument --repeated-length: must be"),
+        (inspect_attention, [lazy, "--text", text, "--device", "banana"], "unknown device 'banana'"),
+        (evaluate, [str(tmp_path / "models" / "lazy"), "--text", text], "models/lazy: no such folder"),
+        (inspect_attention, [lazy, "--text", text, "--baseline", "./llama-copy"], "./llama-copy: no such folder"),
+    ] + ([] if torch.cuda.is_available() else [
+        (inspect_attention, [lazy, "--text", text, "--device", "cuda"], "is not available: this PyTorch"),
+    ]):
+        error = _error_of(tool, argv, capsys)
+        assert message in error and "\n" not in error, (argv, error)
+    # A name that could be a Hub id: said to be neither a local folder nor a loadable repository (offline here).
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    error = _error_of(evaluate, ["no-such-model", "--text", text], capsys)
+    assert "no-such-model is not a local folder, and loading it as a Hub repository id failed" in error
+
+
+def test_baseline_with_another_vocabulary_is_refused(tiny, tmp_path, capsys):
+    """Same vocab_size, same weights, but the words map to other ids: the scores would not be comparable."""
+    import shutil
+
+    other = tmp_path / "other-vocabulary"
+    shutil.copytree(tiny["llama"], other)
+    _tokenizer(reverse=True).save_pretrained(other)
+    for tool, extra in ((evaluate, ["--max-tokens", "40", "--context", "16", "--no-progress"]),
+                        (inspect_attention, ["--out", str(tmp_path / "out"), "--tokens", "40"])):
+        error = _error_of(tool, [str(tiny["lazy"]), "--text", str(tiny["text"]), "--baseline", str(other), *extra],
+                          capsys)
+        assert "has another vocabulary" in error and "not be comparable" in error, error
+    assert "ratio" not in capsys.readouterr().out
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -33,6 +33,12 @@ def test_vanilla_llama_config_json_loads(tmp_path):
     (dict(lazy_bias_init_std=float("nan")), "lazy_bias_init_std"),
     (dict(lazy_bias_init_std=-1.0), "lazy_bias_init_std"),
     (dict(hidden_size=66, num_attention_heads=4, head_dim=None), "num_attention_heads"),
+    (dict(num_hidden_layers=-1), "num_hidden_layers must be an integer >= 1"),
+    (dict(num_hidden_layers=0), "num_hidden_layers must be an integer >= 1"),
+    (dict(vocab_size=0), "vocab_size must be an integer >= 1"),
+    (dict(intermediate_size=-8), "intermediate_size must be an integer >= 1"),
+    (dict(max_position_embeddings=0), "max_position_embeddings must be an integer >= 1"),
+    (dict(head_dim=0), "head_dim must be an integer >= 1"),
 ])
 def test_invalid_config_raises_value_error(bad, message):
     with pytest.raises(ValueError, match=message):
@@ -229,6 +235,12 @@ def test_sequence_longer_than_max_position_embeddings_runs_like_llama(implementa
     ids = torch.randint(3, 97, (2, 40))
     got = model(ids).logits.double()
     assert (got - lazy_llama_logits64(model, ids)).abs().max().item() < 2e-4, f"seed {rng_seed}"
+
+
+def test_empty_input_is_refused():
+    model = tiny_model()
+    with pytest.raises(ValueError, match=r"no tokens \(input_ids of shape \[batch, 0\]\)"):
+        model(torch.zeros(2, 0, dtype=torch.long))
 
 
 def test_four_dimensional_mask_is_refused():

@@ -5,16 +5,21 @@
 - a fresh Python that cannot import this project loads both repositories with `trust_remote_code=True`
   (`AutoModelForCausalLM`, `AutoModel`, `AutoTokenizer`) and must reproduce the pushed model's outputs;
 - validation, missing token, 401 on create, 403, 500 on commit, pushing twice, `--private`, `--revision`,
-  `--create-pr`, `--commit-message`, and token sources.
+  `--create-pr`, `--commit-message`, and token sources;
+- what is uploaded (the model's files, `--include`), truncated shards, 429/503, a 500 on the file listing, and
+  a Hub that accepts connections but never answers (`hub_server.SilentHub`: time-outs, Ctrl-C).
 """
 
 import hashlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import textwrap
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -27,7 +32,7 @@ from transformers.utils import hub as transformers_hub
 from conftest import run_without_project, tiny_model
 from conversion.model_card import SETTINGS_FILE, STATS_FILE, write_model_card
 from conversion.push_to_hub import PushError, main, push_to_hub, validate_folder
-from hub_server import FakeHub
+from hub_server import FakeHub, SilentHub
 from modeling_lazy import LazyLlamaForCausalLM
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
@@ -105,7 +110,8 @@ def _point_client_at(patcher: pytest.MonkeyPatch, hub: FakeHub, home: Path, toke
 @pytest.fixture
 def client(hub, tmp_path, monkeypatch):
     _point_client_at(monkeypatch, hub, tmp_path)
-    return hub
+    yield hub
+    hub.clear_failures()  # a failure a test injected but did not meet must not hit the next test
 
 
 def _subprocess_env(hub: FakeHub, home: Path) -> dict[str, str]:
@@ -347,3 +353,99 @@ def test_private_revision_stats_and_pull_request(client, checkpoint, capsys, tmp
     assert capsys.readouterr().out.strip() == f"{client.url}/alice/options/discussions/1"
     assert repo.refs["main"] == main_head, "--create-pr must not touch main"
     assert "model.safetensors" in repo.files("refs/pr/1")
+
+
+# -- what is uploaded: the model's files, plus what is asked for ------------------------------------------
+def test_only_the_models_files_are_uploaded_unless_included(client, checkpoint, tmp_path, capsys):
+    folder = tmp_path / "with-extras"
+    shutil.copytree(checkpoint[0], folder)
+    (folder / ".env").write_text("HF_TOKEN=hf_secret\n")
+    (folder / "checkpoint-3").mkdir()
+    (folder / "checkpoint-3" / "optimizer.pt").write_bytes(b"optimizer state")
+    (folder / "checkpoint-3" / "trainer_state.json").write_text("{}")
+    (folder / "training_args.bin").write_bytes(b"a pickle")
+    assert main([str(folder), "alice/selected"]) == 0
+    err = capsys.readouterr().err
+    files = client.repos["alice/selected"].files()
+    for secret in (".env", "checkpoint-3/optimizer.pt", "checkpoint-3/trainer_state.json", "training_args.bin",
+                   STATS_FILE):
+        assert secret not in files, f"{secret} was uploaded"
+    for name in ["config.json", "model.safetensors", "tokenizer.json", "generation_config.json", SETTINGS_FILE,
+                 "README.md", *CODE_FILES]:
+        assert name in files, f"{name} was not uploaded"
+    assert "not uploaded" in err and ".env" in err and "checkpoint-3/ (2 files)" in err and "--include" in err
+    # --include adds files by pattern, relative to DIR; a pattern that matches nothing is refused
+    assert main([str(folder), "alice/selected", "--include", STATS_FILE, "--include", "checkpoint-3/*"]) == 0
+    files = client.repos["alice/selected"].files()
+    assert STATS_FILE in files and "checkpoint-3/optimizer.pt" in files and ".env" not in files
+    assert main([str(folder), "alice/selected", "--include", "*.ckpt"]) == 1
+    assert "--include '*.ckpt' matches no file" in capsys.readouterr().err
+
+
+def test_truncated_shard_of_a_sharded_checkpoint_is_refused_before_any_request(client, checkpoint, tmp_path):
+    folder = tmp_path / "sharded"
+    shutil.copytree(checkpoint[0], folder)
+    (folder / "model.safetensors").unlink()
+    checkpoint[1].save_pretrained(folder, max_shard_size="20KB")
+    shards = sorted(folder.glob("model-*.safetensors"))
+    assert len(shards) > 2
+    validate_folder(folder)  # complete: fine
+    shards[1].write_bytes(shards[1].read_bytes()[:-100])
+    requests_before = len(client.log)
+    with pytest.raises(PushError, match="nothing was uploaded") as error:
+        push_to_hub(folder, "alice/truncated")
+    assert f"{shards[1].name} is not a complete safetensors file" in str(error.value)
+    assert len(client.log) == requests_before and "alice/truncated" not in client.repos
+
+
+# -- answers that are not plain failures ------------------------------------------------------------------
+def test_rate_limit_and_unavailable_server(client, checkpoint):
+    client.fail("POST", "/api/repos/create", status=429)
+    with pytest.raises(PushError, match=r"rate-limiting these requests \(429\).*Wait a few minutes and run the same"):
+        push_to_hub(checkpoint[0], "alice/limited", retries=0)
+    client.fail("POST", "/api/repos/create", status=503)  # passes: retried after a pause
+    push_to_hub(checkpoint[0], "alice/limited", retries=1)
+    assert "model.safetensors" in client.repos["alice/limited"].files()
+
+
+def test_500_on_the_file_listing_is_named_as_such(client, checkpoint):
+    client.fail("GET", "/api/models/alice/listing/revision/main", status=500)
+    with pytest.raises(PushError) as error:
+        push_to_hub(checkpoint[0], "alice/listing")
+    assert str(error.value).startswith("Listing the files of alice/listing failed: the Hub answered 500")
+    assert sorted(client.repos["alice/listing"].files()) == [".gitattributes"]  # created, nothing committed
+
+
+@pytest.fixture
+def silent(tmp_path, monkeypatch):
+    """A Hub that accepts connections and never answers, with the client pointed at it."""
+    with SilentHub() as server:
+        _point_client_at(monkeypatch, server, tmp_path)
+        yield server
+
+
+def test_a_hub_that_never_answers_times_out_in_one_line(silent, checkpoint, capsys):
+    started = time.monotonic()
+    assert main([str(checkpoint[0]), "alice/hanging", "--timeout", "0.5", "--retries", "1"]) == 1
+    elapsed = time.monotonic() - started
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(lines) == 1 and "did not answer within 0.5 s (2 attempt(s))" in lines[0], lines
+    assert "--timeout" in lines[0] and silent.accepted >= 2
+    assert elapsed < 30, f"took {elapsed:.0f} s"
+
+
+def test_ctrl_c_while_waiting_for_the_hub_ends_in_one_line(silent, checkpoint, capsys):
+    def interrupt_once_connected():
+        deadline = time.monotonic() + 60
+        while silent.accepted == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if silent.accepted:
+            time.sleep(0.2)  # the client now waits for an answer
+            os.kill(os.getpid(), signal.SIGINT)
+
+    helper = threading.Thread(target=interrupt_once_connected, daemon=True)
+    helper.start()
+    code = main([str(checkpoint[0]), "alice/hanging", "--timeout", "120", "--retries", "0"])
+    helper.join()
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert code == 130 and len(lines) == 1 and lines[0].startswith("lazy-push: interrupted."), lines

@@ -49,6 +49,24 @@ def test_bf16_load_keeps_lazy_parameters_float32(tmp_path):
         assert logits.dtype == dtype and torch.isfinite(logits).all()
 
 
+def test_saving_a_half_precision_model_writes_lazy_parameters_float32(tmp_path):
+    """`model.to(bf16)` casts every parameter; the saved `tau`/`distance_bias` are float32 all the same."""
+    from safetensors import safe_open
+
+    model = tiny_model(seed=4, tie_word_embeddings=True)
+    tau = model.model.layers[1].self_attn.tau.detach().clone()
+    model.save_pretrained(tmp_path / "fp32")
+    model.to(torch.bfloat16).save_pretrained(tmp_path / "bf16")
+    with safe_open(tmp_path / "fp32" / "model.safetensors", framework="pt") as weights:
+        names = set(weights.keys())
+    with safe_open(tmp_path / "bf16" / "model.safetensors", framework="pt") as weights:
+        assert set(weights.keys()) == names  # the same tensors (a tied lm_head is still left out)
+        for name in names:
+            expected = torch.float32 if name.rsplit(".", 1)[-1] in ("tau", "distance_bias") else torch.bfloat16
+            assert weights.get_tensor(name).dtype == expected, name
+        assert torch.equal(weights.get_tensor("model.layers.1.self_attn.tau"), tau.to(torch.bfloat16).float())
+
+
 def test_missing_lazy_parameters_are_initialised_from_config(tmp_path):
     """A checkpoint without tau / bias (e.g. a Llama) gets them from `_init_weights`, per the config."""
     from safetensors.torch import load_file, save_file

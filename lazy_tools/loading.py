@@ -1,0 +1,238 @@
+"""Loading helpers for the command-line tools: a checkpoint, its tokenizer, a text file, a device and the
+dtype names (`DTYPES`, shared with `lazy-convert`).
+
+The tools work on any LazyLlama (converted or trained, saved with or without its code files). A vanilla
+Llama is accepted only where it serves as a baseline; anything else is refused with a message that says
+what to do.
+"""
+
+import argparse
+import codecs
+import math
+import re
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
+LAZY_TYPE = "lazy_llama"
+BASELINE_TYPES = (LAZY_TYPE, "llama")
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")  # "name" or "namespace/name"
+
+
+class NotALazyLlama(ValueError):
+    """The checkpoint is not a LazyLlama (and cannot serve in the role asked for)."""
+
+
+class ModelNotFound(ValueError):
+    """Neither a local model folder nor a Hub repository that could be loaded."""
+
+
+# ------------------------------------------------------------------------------------------------ arguments
+
+
+def at_least(minimum: float, kind: type = int, *, strictly: bool = False):
+    """An `argparse` type: a finite `kind` (int or float) >= `minimum` (> with `strictly`), checked when parsed."""
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"expected {'a whole number' if kind is int else 'a number'}, got {text!r}") from None
+        if not math.isfinite(value) or value < minimum or strictly and value == minimum:
+            raise argparse.ArgumentTypeError(f"must be {'more than' if strictly else 'at least'} {minimum}, got {text}")
+        return value
+
+    parse.__name__ = kind.__name__  # what argparse names in "invalid ... value"
+    return parse
+
+
+positive_int = at_least(1)
+
+
+def resolve_device(name: str = "auto") -> torch.device:
+    """`auto` -> CUDA when available, else CPU; anything else must name a device this PyTorch can use
+    (ValueError otherwise)."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ValueError(f"unknown device {name!r}: use auto, cpu, cuda or cuda:N") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            build = "a CPU-only build" if torch.version.cuda is None else "no CUDA device is visible"
+            raise ValueError(f"device {name!r} is not available: this PyTorch ({torch.__version__}) is {build}; "
+                             "use --device cpu")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ValueError(f"device {name!r} does not exist: {torch.cuda.device_count()} CUDA device(s) visible")
+    elif device.type != "cpu":
+        backend = getattr(torch, device.type, None)
+        if backend is None or not getattr(backend, "is_available", lambda: False)():
+            raise ValueError(f"device {name!r} is not available in this PyTorch; use --device cpu")
+    return device
+
+
+def device_argument(text: str) -> str:
+    """`argparse` type: a device name `resolve_device` accepts (checked before any model is loaded)."""
+    try:
+        resolve_device(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+    return text
+
+
+# ------------------------------------------------------------------------------------------------ models
+
+
+def check_model_reference(name: str) -> None:
+    """Refuse (`ModelNotFound`) a name that can only be a local path but names nothing, or names a file."""
+    path = Path(name).expanduser()
+    if path.exists():
+        if not path.is_dir():
+            raise ModelNotFound(f"{name} is a file, not a model folder")
+        return
+    if not _HUB_ID.match(name) or "--" in name or ".." in name:
+        raise ModelNotFound(f"{name}: no such folder")
+
+
+@contextmanager
+def missing_model_explained(name: str):
+    """Run a `from_pretrained(name)`; a failure for a name that is no local folder says so, instead of
+    transformers' message about a Hub connection or repository id."""
+    check_model_reference(name)
+    try:
+        yield
+    except OSError as error:
+        if Path(name).expanduser().exists():
+            raise
+        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise ModelNotFound(f"{name} is not a local folder, and loading it as a Hub repository id failed: "
+                            f"{first}") from error
+
+
+def without_gguf_quantization(config):
+    """`config` without the `quantization_config` that a folder rebuilt from a GGUF load can carry: its
+    tensors are plain (dequantised) ones, and the note would make transformers look for a GGUF file and
+    Trainer refuse to train a "quantized" model. Other quantization configs are kept."""
+    quantization = getattr(config, "quantization_config", None)
+    if isinstance(quantization, dict):
+        method = quantization.get("quant_method")
+    else:
+        method = getattr(quantization, "quant_method", None)
+    if method == "gguf":
+        del config.quantization_config
+    return config
+
+
+def load_causal_lm(name: str, *, role: str = "model", device: str | torch.device = "auto", dtype: str = "float32"):
+    """Load `name` (a folder or Hub id) as a causal LM in eval mode on `device`.
+
+    `role="model"` accepts only a LazyLlama; `role="baseline"` also accepts a vanilla Llama. Raises
+    `NotALazyLlama` or `ModelNotFound` with an actionable message otherwise.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    import modeling_lazy  # noqa: F401  (registers LazyLlama with the Auto classes)
+
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    device = resolve_device(device) if isinstance(device, str) else device
+    with missing_model_explained(name):
+        config = without_gguf_quantization(AutoConfig.from_pretrained(name))
+    model_type = getattr(config, "model_type", None)
+    allowed = (LAZY_TYPE,) if role == "model" else BASELINE_TYPES
+    if model_type not in allowed:
+        if role == "model":
+            hint = (
+                "Convert it to LazyLlama first (every Llama checkpoint converts 1:1), or give it as the baseline "
+                "(--baseline) and a LazyLlama as MODEL."
+                if model_type == "llama"
+                else "These tools measure Lazy Attention, so MODEL must be a LazyLlama checkpoint."
+            )
+        else:
+            hint = "A baseline must be a LazyLlama or a vanilla Llama (same tokenizer as MODEL)."
+        raise NotALazyLlama(f"{name} is a {model_type!r} model, not a LazyLlama ({LAZY_TYPE!r}). {hint}")
+    model = AutoModelForCausalLM.from_pretrained(name, config=config, dtype=DTYPES[dtype])
+    return model.to(device).eval()
+
+
+def load_tokenizer(name: str):
+    """The tokenizer saved with a checkpoint (or given separately); a clear error when there is none."""
+    from transformers import AutoTokenizer
+
+    check_model_reference(name)
+    try:
+        return AutoTokenizer.from_pretrained(name)
+    except (OSError, ValueError, TypeError) as error:
+        raise ValueError(
+            f"No tokenizer could be loaded from {name}: save one with the model or pass --tokenizer DIR ({error})"
+        ) from error
+
+
+def check_same_vocabulary(tokenizer, model, baseline, baseline_name: str) -> None:
+    """Refuse a baseline that reads token ids differently from MODEL: its own tokenizer (if it has one) must
+    have MODEL's vocabulary, else its config must have MODEL's `vocab_size`. Scores of different
+    vocabularies are not comparable (and ids past the smaller one index nothing)."""
+    from transformers import AutoTokenizer
+
+    try:
+        theirs = AutoTokenizer.from_pretrained(baseline_name)
+    except (OSError, ValueError, TypeError):
+        theirs = None
+    if theirs is not None:
+        ours, other = tokenizer.get_vocab(), theirs.get_vocab()
+        if ours != other:
+            differing = sum(other.get(token) != index for token, index in ours.items()) + len(set(other) - set(ours))
+            raise ValueError(f"the baseline {baseline_name} has another vocabulary ({len(other)} tokens, {differing} "
+                             f"differing from MODEL's {len(ours)}): its scores would not be comparable; give a "
+                             "baseline that shares MODEL's tokenizer")
+    elif baseline.config.vocab_size != model.config.vocab_size:
+        raise ValueError(f"the baseline {baseline_name} has vocab_size {baseline.config.vocab_size}, MODEL "
+                         f"{model.config.vocab_size}: its scores would not be comparable; give a baseline that "
+                         "shares MODEL's tokenizer")
+
+
+# ------------------------------------------------------------------------------------------------ text
+
+
+def check_text_file(path: str | Path, what: str = "text file") -> None:
+    """Refuse (ValueError, FileNotFoundError) a missing, empty, blank-only or non-UTF-8 file, reading it in
+    chunks (memory does not grow with the file)."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"{what} {path} does not exist")
+    if not path.is_file():
+        raise ValueError(f"{what} {path} is not a file")
+    if path.stat().st_size == 0:
+        raise ValueError(f"{what} {path} is empty")
+    decoder, offset, blank = codecs.getincrementaldecoder("utf-8")(), 0, True
+    with path.open("rb") as handle:
+        while chunk := handle.read(1 << 20):
+            try:
+                text = decoder.decode(chunk)
+            except UnicodeDecodeError as error:
+                raise ValueError(f"{what} {path} is not UTF-8 text (invalid byte at offset "
+                                 f"{offset + error.start}): convert it to UTF-8") from None
+            blank = blank and not text.strip()
+            offset += len(chunk)
+        try:
+            decoder.decode(b"", final=True)
+        except UnicodeDecodeError:
+            raise ValueError(f"{what} {path} is not UTF-8 text (it ends inside a character)") from None
+    if blank:
+        raise ValueError(f"{what} {path} holds only whitespace")
+
+
+def read_token_ids(text_file: str | Path, tokenizer, max_tokens: int | None = None) -> torch.Tensor:
+    """Tokenise a UTF-8 text file into one 1-D int64 sequence (special tokens as the tokenizer adds them),
+    cut to `max_tokens` if given. ValueError for a file that gives no tokens."""
+    check_text_file(text_file)
+    ids = tokenizer(Path(text_file).read_text(encoding="utf-8"))["input_ids"]
+    if not ids:
+        raise ValueError(f"{text_file} gives no tokens with this tokenizer")
+    if max_tokens is not None:
+        ids = ids[:max_tokens]
+    return torch.tensor(ids, dtype=torch.long)
