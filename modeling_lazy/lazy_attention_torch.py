@@ -3,7 +3,8 @@
 The math and the metadata are defined in `lazy_attention_reference` (docs/design.md walks through both).
 Query chunks are computed against the keys they can see; a chunk's rows see all their keys at once, so
 their normaliser is exact in one pass. Nothing of size L x L is kept, and the backward recomputes each
-chunk from q, k, v.
+chunk from q, k, v. Inference with a few query rows (decode) takes a one-pass path instead, which can read
+only the value rows that carry a nonzero weight.
 """
 
 import math

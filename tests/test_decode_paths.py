@@ -16,6 +16,7 @@ SHAPES = {  # (heads, kv_heads, q_len, past, window)
     "one-row-mha": (3, 3, 1, 150, 32),
     "few-rows-gqa": (6, 3, 5, 200, 48),
     "few-rows-cache-inside-window": (4, 1, 16, 10, 64),
+    "few-rows-no-cache": (4, 2, 12, 0, 64),
 }
 V_READS = {  # forced crossovers so that both value reads run at these small sizes
     "dense-v": {"_SPARSE_V_MIN_KEYS": 1 << 30},
