@@ -23,7 +23,8 @@ import transformers
 
 import modeling_lazy  # noqa: F401
 from modeling_lazy import LazyLlamaConfig, LazyLlamaForCausalLM
-from modeling_lazy.lazy_attention_torch import lazy_attention_metadata, lazy_attention_torch
+from modeling_lazy.lazy_attention_reference import lazy_attention_metadata
+from modeling_lazy.lazy_attention_torch import lazy_attention_torch
 
 SIZES = {
     "full": dict(attn_lengths=[256, 1024, 2048, 4096], heads=8, dim=64, rounds=5,
@@ -78,7 +79,7 @@ def bench_attention(size):
 
             def lazy_fwd():
                 with torch.no_grad():
-                    lazy_attention_torch(q, k, v, tau, bias, *meta, dim**-0.5)
+                    lazy_attention_torch(q, k, v, tau, bias, meta, dim**-0.5)
 
             def sdpa_fwd():
                 with torch.no_grad():
@@ -88,7 +89,7 @@ def bench_attention(size):
             taug, biasg = tau.clone().requires_grad_(), bias.clone().requires_grad_()
 
             def lazy_both():
-                lazy_attention_torch(qg, kg, vg, taug, biasg, *meta, dim**-0.5).sum().backward()
+                lazy_attention_torch(qg, kg, vg, taug, biasg, meta, dim**-0.5).sum().backward()
 
             def sdpa_both():
                 F.scaled_dot_product_attention(qg, kg, vg, is_causal=True).sum().backward()
@@ -100,12 +101,13 @@ def bench_attention(size):
 
 MEMORY_SCRIPT = textwrap.dedent("""
     import json, sys, torch, torch.nn.functional as F
-    from modeling_lazy.lazy_attention_torch import lazy_attention_metadata, lazy_attention_torch
+    from modeling_lazy.lazy_attention_reference import lazy_attention_metadata
+    from modeling_lazy.lazy_attention_torch import lazy_attention_torch
     kind, length, heads, dim = sys.argv[1], int(sys.argv[2]), 4, 64
     q, k, v = (torch.randn(1, heads, length, dim, requires_grad=True) for _ in range(3))
     tau, bias = torch.full((heads,), -1.0, requires_grad=True), torch.zeros(heads, 1024, requires_grad=True)
     meta = lazy_attention_metadata(None, None, 0, length, 1, q.device)
-    run = {"lazy": lambda: lazy_attention_torch(q, k, v, tau, bias, *meta, dim ** -0.5),
+    run = {"lazy": lambda: lazy_attention_torch(q, k, v, tau, bias, meta, dim ** -0.5),
            "sdpa": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True)}[kind]
     def status(key):  # KiB, from /proc/self/status
         return next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith(key + ":"))

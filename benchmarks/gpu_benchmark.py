@@ -1,4 +1,4 @@
-"""One-shot GPU benchmark of the Lazy Attention Triton kernels (PERFORMANCE.md protocol), a few minutes.
+"""One-shot GPU benchmark of the Lazy Attention Triton kernels (interleaved ratios, correctness first), a few minutes.
 
     python benchmarks/gpu_benchmark.py                 # full run on a CUDA GPU, prints markdown tables
     python benchmarks/gpu_benchmark.py --quick         # fewer lengths, no FlexAttention compile
@@ -37,7 +37,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import modeling_lazy.lazy_attention_triton as lazy_triton  # noqa: E402
-from modeling_lazy.lazy_attention_torch import lazy_attention_reference  # noqa: E402
+from modeling_lazy.lazy_attention_reference import lazy_attention_metadata, lazy_attention_reference  # noqa: E402
 
 REPEATS = 20
 WARMUP = 3
@@ -63,11 +63,7 @@ def make_inputs(bsz, heads, kv_heads, q_len, k_len, dim, tau, window, device, dt
     else:
         bias = 1e-3 * torch.randn(heads, window, generator=gen)
     bias = bias.to(device).requires_grad_(grad)
-    q_pos = torch.arange(k_len - q_len, k_len, device=device).expand(bsz, q_len).contiguous()
-    k_pos = torch.arange(k_len, device=device).expand(bsz, k_len).contiguous()
-    q_seg = torch.zeros(bsz, q_len, dtype=torch.int32, device=device)
-    k_seg = torch.zeros(bsz, k_len, dtype=torch.int32, device=device)
-    return (q, k, v, tau_t, bias), (q_pos, k_pos, q_seg, k_seg)
+    return (q, k, v, tau_t, bias), lazy_attention_metadata(None, None, k_len - q_len, q_len, bsz, device)
 
 
 def _sync(device):
@@ -113,8 +109,8 @@ def correctness_gate(device, shapes) -> list[str]:
         leaves, meta = make_inputs(bsz, heads, kv_heads, q_len, k_len, dim, tau, 256, device, grad=True, seed=1)
         ref_leaves = [x.detach().float().requires_grad_() for x in leaves]
         scaling = dim**-0.5
-        out = lazy_triton.lazy_attention_triton(*leaves, *meta, scaling)
-        ref, _ = lazy_attention_reference(*ref_leaves, *meta, scaling)
+        out = lazy_triton.lazy_attention_triton(*leaves, meta, scaling)
+        ref, _ = lazy_attention_reference(*ref_leaves, meta, scaling)
         grad = torch.randn_like(ref)
         out.backward(grad.to(out.dtype))
         ref.backward(grad)
@@ -192,10 +188,10 @@ def prefill_table(device, lengths, dims, tokens, with_flex, width=2048) -> None:
                 def lazy(tau, skip):
                     def run():
                         if backward:
-                            out = lazy_triton.lazy_attention_triton(q, k, v, tau, bias, *meta, scaling)
+                            out = lazy_triton.lazy_attention_triton(q, k, v, tau, bias, meta, scaling)
                             torch.autograd.backward(out, grad)
                         else:
-                            lazy_triton._forward(q, k, v, tau, bias, *lazy_triton._metadata(*meta), scaling,
+                            lazy_triton._forward(q, k, v, tau, bias, *lazy_triton._kernel_inputs(k, v, meta)[2], scaling,
                                                  skip=skip)
                     return run
 
@@ -249,7 +245,7 @@ def density_table(device, length, dim, width=2048) -> None:
                               ("local bias, tau=-1", -1.0, True)):
         leaves, meta = make_inputs(1, width // dim, width // dim, length, length, dim, tau, 1024, device,
                                    local_bias=local)
-        visited, visible, density = lazy_triton.lazy_attention_tile_stats(*leaves, *meta, dim**-0.5)
+        visited, visible, density = lazy_triton.lazy_attention_tile_stats(*leaves, meta, dim**-0.5)
         print(f"| {label} | {length} | {dim} | {visited} | {visible} | {density:.3f} |", flush=True)
 
 
@@ -264,7 +260,7 @@ def decode_table(device, cache_lengths, batches, heads=32, kv_heads=8, dim=128) 
                 leaves, meta = make_inputs(bsz, heads, kv_heads, 1, length, dim, tau, 1024, device, local_bias=local)
                 q, k, v, tau_t, bias = leaves
                 scaling = dim**-0.5
-                meta32 = lazy_triton._metadata(*meta)
+                meta32 = lazy_triton._kernel_inputs(k, v, meta)[2]
 
                 def lazy():
                     lazy_triton._forward(q, k, v, tau_t, bias, *meta32, scaling)
@@ -273,7 +269,7 @@ def decode_table(device, cache_lengths, batches, heads=32, kv_heads=8, dim=128) 
                     F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
 
                 times = time_interleaved({"sdpa": sdpa, f"lazy {label}": lazy}, device)
-                density = lazy_triton.lazy_attention_tile_stats(q, k, v, tau_t, bias, *meta, scaling)[2]
+                density = lazy_triton.lazy_attention_tile_stats(q, k, v, tau_t, bias, meta, scaling)[2]
                 kv_bytes = 2 * k.numel() * k.element_size()
                 for name, ms in times.items():
                     d = f"{density:.2f}" if name.startswith("lazy") else ""

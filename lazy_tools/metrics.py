@@ -1,4 +1,4 @@
-"""Attention statistics (SPEC section 5) and perplexity, shared by the demo, `inspect`, training callbacks
+"""Attention statistics and perplexity, shared by the demo, `inspect`, training callbacks
 and the replication study.
 
 Definitions, for visible (query i, key j) pairs only:
@@ -14,7 +14,7 @@ from contextlib import contextmanager
 
 import torch
 
-from modeling_lazy.lazy_attention_torch import lazy_attention_metadata
+from modeling_lazy.lazy_attention_reference import lazy_attention_metadata, lazy_visibility
 
 TILE = 64
 
@@ -36,13 +36,10 @@ def attention_weights(model, input_ids: torch.Tensor, attention_mask: torch.Tens
     mask `[B, 1, T, T]` bool of the same call."""
     with eager_attention(model):
         out = model(input_ids=input_ids, attention_mask=attention_mask, output_attentions=True, use_cache=False)
-    q_pos, k_pos, q_seg, k_seg = lazy_attention_metadata(
+    metadata = lazy_attention_metadata(
         attention_mask, None, 0, input_ids.shape[1], input_ids.shape[0], input_ids.device
     )
-    length = input_ids.shape[1]
-    causal = torch.ones(length, length, dtype=torch.bool, device=input_ids.device).tril()
-    visible = ((q_seg[:, :, None] == k_seg[:, None, :]) & causal)[:, None]
-    return [w.float() for w in out.attentions], visible, q_pos, k_pos
+    return [w.float() for w in out.attentions], lazy_visibility(metadata), metadata.q_pos, metadata.k_pos
 
 
 def _tile_density(weights: torch.Tensor, visible: torch.Tensor, tile: int) -> torch.Tensor:
@@ -59,7 +56,7 @@ def _tile_density(weights: torch.Tensor, visible: torch.Tensor, tile: int) -> to
 
 @torch.no_grad()
 def attention_statistics(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, tile: int = TILE):
-    """Per layer and head: sparsity, tile density, sink, surviving mass, tau (SPEC section 5).
+    """Per layer and head: sparsity, tile density, sink, surviving mass, tau (definitions above).
 
     Returns a dict: `layers` (a list with, per layer, lists of `[H]` floats under `sparsity`, `tile_density`,
     `sink`, `surviving_mass`, `tau`) and `mean` (each figure averaged over layers and heads).

@@ -163,9 +163,9 @@ def lazy_attention_reference(query, key, value, tau, distance_bias, metadata: La
     scores = torch.matmul(query.to(dtype), k.transpose(2, 3)) * scaling
     scores = scores + distance_bias_scores(distance_bias, metadata.q_pos, metadata.k_pos, dtype)
     scores = scores.masked_fill(~visible, float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1, keepdim=True)  # [B, Hq, Tq, 1]; -inf for a row that sees nothing
-    alive = torch.isfinite(lse)
-    probs = torch.exp(scores - torch.where(alive, lse, torch.zeros_like(lse)))
+    alive = scores.amax(-1, keepdim=True) > float("-inf")  # [B, Hq, Tq, 1]: the row has a normaliser
+    lse = torch.logsumexp(scores.masked_fill(~alive, 0.0), dim=-1, keepdim=True)  # finite values and gradients
+    probs = torch.exp(scores - lse)
     n = (metadata.q_pos + 1).to(dtype)[:, None, :, None]
     weights = torch.relu(probs + tau.to(dtype)[None, :, None, None] / n) * (visible & alive)
     out = torch.matmul(weights, v).to(query.dtype)

@@ -1,12 +1,12 @@
 """Lazy Attention as Triton kernels: two-pass forward, split-K decode, exact backward.
 
-Math (SPEC sections 1 and 2), per query head h, query i, key j, for visible (i, j):
+Math (docs/design.md), per query head h, query i, key j, for visible (i, j):
 
     s_ij = scaling * <q_i, k_j> + beta_h(pos_i - pos_j)      p_ij = exp(s_ij - LSE_i)
     a_ij = max(0, p_ij + tau_h / n_i)   (float32 test)        o_i  = sum_j a_ij v_j     (no renormalisation)
     m_ij = 1[a_ij > 0],  dP_ij = dO_i . v_j,  Delta_i = sum_j m_ij p_ij dP_ij,  dS_ij = p_ij (m_ij dP_ij - Delta_i)
 
-Visibility comes only from the per-token metadata of `lazy_attention_torch` (no L x L mask):
+Visibility comes only from the per-token `LazyMetadata` of `lazy_attention_reference` (no L x L mask):
 query i sees key j  <=>  q_seg[i] == k_seg[j]  and  j <= i + Tk - Tq;  n_i = q_pos[i] + 1;
 distance = q_pos[i] - k_pos[j], biased only for 0 <= distance < W.
 
@@ -33,6 +33,7 @@ upcast to float32 before `tl.dot` on that path only (the interpreter's bf16 dot 
 """
 
 import os
+from typing import TYPE_CHECKING
 
 try:
     import triton
@@ -45,6 +46,9 @@ except ImportError as error:  # modeling_lazy catches this and serves every devi
 
 import torch
 
+if TYPE_CHECKING:  # annotations only: the ahead-of-time compiler loads this file on its own
+    from .lazy_attention_reference import LazyMetadata
+
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 # ---------------------------------------------------------------------------------------------------
@@ -53,6 +57,10 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 MAX_HEAD_DIM = 256
 DECODE_MAX_QUERIES = 16  # query length <= this uses the decode blocks (tl.dot needs tiles >= 16)
 SPLIT_MIN_KEYS = 256  # a split-K slice covers at least this many keys
+# Row log-sum-exp stored for a row without a normaliser (every visible score -inf, or nothing visible): p = 0 on
+# every key, and `_row_threshold` turns tau/n into a large negative, so every weight a_ij of that row is 0.
+DEAD_ROW_LSE = 3.0e38
+_DEAD_ROW_LSE = tl.constexpr(DEAD_ROW_LSE)  # the same value as the kernels see it
 
 # GPU family -> (kernel kind, padded head dim) -> (BLOCK_M, BLOCK_N, num_warps, num_stages). Padded head
 # dims up to 64 use the 64 rows, larger ones the 128 rows (256 runs but is not tuned). Chosen so that no
@@ -134,6 +142,12 @@ def _scores(q, k, KPOS, bias_row, q_pos, visible, keys, Tk, W, scaling,
     dist = q_pos[:, None] - k_pos[None, :]
     s += tl.load(bias_row + dist, mask=visible & (dist >= 0) & (dist < W), other=0.0)
     return tl.where(visible, s, float("-inf"))
+
+
+@triton.jit
+def _row_threshold(tau_h, q_pos, lse):
+    """`tau_h / n_i` in float32 for a row with a normaliser; -1e30 (every weight 0) for a dead row."""
+    return tl.where(lse < 1.0e38, tau_h / (q_pos + 1).to(tl.float32), -1.0e30)
 
 
 @triton.jit
@@ -231,8 +245,8 @@ def _lazy_fwd_kernel(Q, K, V, TAU, BIAS, QPOS, KPOS, QSEG, KSEG, OUT, LSE, STATS
 
     m_i, l_i = _lse_pass(q, q_pos, q_seg, q_key_idx, K_, stride_kt, KPOS_, KSEG_, bias_row, 0, hi, Tk, W,
                          scaling, BLOCK_M, BLOCK_N, BLOCK_D, D, UPCAST, PRECISION)
-    lse = tl.where(l_i > 0.0, m_i + tl.log(tl.where(l_i > 0.0, l_i, 1.0)), 0.0)  # a row that sees nothing gets p = 0 everywhere
-    threshold = tl.load(TAU + h) / (q_pos + 1).to(tl.float32)
+    lse = tl.where(l_i > 0.0, m_i + tl.log(tl.where(l_i > 0.0, l_i, 1.0)), _DEAD_ROW_LSE)
+    threshold = _row_threshold(tl.load(TAU + h), q_pos, lse)
     acc, visited, visible_tiles = _out_pass(q, q_pos, q_seg, q_key_idx, lse, threshold, K_, V_, stride_kt,
                                             stride_vt, KPOS_, KSEG_, bias_row, 0, hi, Tk, W, scaling,
                                             BLOCK_M, BLOCK_N, BLOCK_D, D, SKIP, UPCAST, PRECISION)
@@ -273,8 +287,8 @@ def _lazy_fwd_split_out_kernel(Q, K, V, TAU, BIAS, QPOS, KPOS, QSEG, KSEG, LSE, 
     """Split-K pass 2: partial float32 output of one key slice -> O_PART [S, B, Tq, Hq, D] (summed after)."""
     pid_m, pid_bh, split, b, h, hk, rows, row_mask, q, q_pos, q_seg, q_key_idx, lo, hi = _query_tile_setup(
         Q, QPOS, QSEG, stride_qb, stride_qh, stride_qt, Hq, Tq, Tk, GROUPS, KEYS_PER_SPLIT, BLOCK_M, BLOCK_D, D)
-    lse = tl.load(LSE + pid_bh.to(tl.int64) * Tq + rows, mask=row_mask, other=0.0)
-    threshold = tl.load(TAU + h) / (q_pos + 1).to(tl.float32)
+    lse = tl.load(LSE + pid_bh.to(tl.int64) * Tq + rows, mask=row_mask, other=_DEAD_ROW_LSE)
+    threshold = _row_threshold(tl.load(TAU + h), q_pos, lse)
     acc, visited, visible_tiles = _out_pass(q, q_pos, q_seg, q_key_idx, lse, threshold,
                                             K + b * stride_kb + hk * stride_kh, V + b * stride_vb + hk * stride_vh,
                                             stride_kt, stride_vt, KPOS + b * Tk, KSEG + b * Tk, BIAS + h * W,
@@ -306,9 +320,9 @@ def _bwd_query_tile(Q, DO, TAU, QPOS, QSEG, LSE, stride_qb, stride_qh, stride_qt
     do = _load_rows(DO + b * stride_dob + h * stride_doh, stride_dot, rows, offs_d, Tq, D)
     q_pos = tl.load(QPOS + b * Tq + rows, mask=row_mask, other=0)
     q_seg = tl.load(QSEG + b * Tq + rows, mask=row_mask, other=-4)
-    lse = tl.load(LSE + pid_bh.to(tl.int64) * Tq + rows, mask=row_mask, other=0.0)
+    lse = tl.load(LSE + pid_bh.to(tl.int64) * Tq + rows, mask=row_mask, other=_DEAD_ROW_LSE)
     inv_n = 1.0 / (q_pos + 1).to(tl.float32)
-    threshold = tl.load(TAU + h) * inv_n
+    threshold = _row_threshold(tl.load(TAU + h), q_pos, lse)
     hi = tl.minimum(Tk, (pid_m + 1) * BLOCK_M + Tk - Tq)  # keys past the tile's last row are never visible
     return pid_m, pid_bh, b, h, hk, rows, offs_d, row_mask, q, do, q_pos, q_seg, lse, inv_n, threshold, hi
 
@@ -438,14 +452,14 @@ def _lazy_bwd_dkdv_kernel(Q, K, V, TAU, BIAS, QPOS, KPOS, QSEG, KSEG, LSE, DELTA
                 q = tl.load(Q + b * stride_qb + h * stride_qh + rows[:, None] * stride_qt + offs_d[None, :],
                             mask=tile_mask, other=0.0)
                 q_pos = tl.load(QPOS + b * Tq + rows, mask=row_mask, other=0)
-                lse = tl.load(LSE + bh * Tq + rows, mask=row_mask, other=0.0)
+                lse = tl.load(LSE + bh * Tq + rows, mask=row_mask, other=_DEAD_ROW_LSE)
                 delta = tl.load(DELTA + bh * Tq + rows, mask=row_mask, other=0.0)
                 s = _dot(q, tl.trans(k), UPCAST, PRECISION) * scaling
                 dist = q_pos[:, None] - k_pos[None, :]
                 in_window = visible & (dist >= 0) & (dist < W)
                 s += tl.load(bias_row + dist, mask=in_window, other=0.0)
                 p = tl.where(visible, tl.exp(s - lse[:, None]), 0.0)
-                a = tl.where(visible, tl.maximum(p + threshold_h / (q_pos + 1).to(tl.float32)[:, None], 0.0),
+                a = tl.where(visible, tl.maximum(p + _row_threshold(threshold_h, q_pos, lse)[:, None], 0.0),
                              0.0)
                 do = tl.load(DO + b * stride_dob + h * stride_doh + rows[:, None] * stride_dot + offs_d[None, :],
                              mask=tile_mask, other=0.0)
@@ -555,7 +569,7 @@ def _forward(query, key, value, tau, distance_bias, q_pos, k_pos, q_seg, k_seg, 
         num_heads, q_len, k_len, window, groups, keys_per_split, scaling, **meta)
     m_max = m_part.max(0).values
     l_sum = (l_part * torch.exp(m_part - m_max)).sum(0)
-    lse = torch.where(l_sum > 0, m_max + torch.log(l_sum), torch.zeros_like(l_sum)).view(bsz, num_heads, q_len)
+    lse = torch.where(l_sum > 0, m_max + torch.log(l_sum), DEAD_ROW_LSE).view(bsz, num_heads, q_len)
     o_part = torch.empty(num_splits, bsz, q_len, num_heads, dim, dtype=torch.float32, device=query.device)
     stats = (torch.zeros(num_splits, bsz * num_heads, q_tiles, 2, dtype=torch.int32, device=query.device)
              if with_stats else lse)
@@ -605,9 +619,11 @@ def _backward(grad_out, query, key, value, tau, distance_bias, q_pos, k_pos, q_s
     return dq, dk, dv, dtau_part.sum(dim=(0, 2)), dbias_part.sum(dim=(0, 2))
 
 
-def _metadata(q_pos, k_pos, q_seg, k_seg):
-    """int32 contiguous copies of the per-token metadata (what the kernels read)."""
-    return tuple(x.to(torch.int32).contiguous() for x in (q_pos, k_pos, q_seg, k_seg))
+def _kernel_inputs(key, value, metadata: "LazyMetadata"):
+    """`(key, value, (q_pos, k_pos, q_seg, k_seg) int32)`: keys cut to the metadata (a static cache hands over
+    a longer buffer) and the per-token metadata the kernels read."""
+    k_len = metadata.key_length
+    return key[:, :, :k_len], value[:, :, :k_len], (metadata.q_pos32, metadata.k_pos32, metadata.q_seg, metadata.k_seg)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -616,47 +632,51 @@ def _metadata(q_pos, k_pos, q_seg, k_seg):
 
 
 class LazyAttentionTritonFunction(torch.autograd.Function):
-    """Fused Lazy Attention; saves q, k, v, the metadata and the row log-sum-exp (float32) for backward."""
+    """Fused Lazy Attention; saves q, k, v and the row log-sum-exp (float32) for backward."""
 
     @staticmethod
-    def forward(ctx, query, key, value, tau, distance_bias, q_pos, k_pos, q_seg, k_seg, scaling):
-        metadata = _metadata(q_pos, k_pos, q_seg, k_seg)
-        out, lse, _ = _forward(query, key, value, tau, distance_bias, *metadata, scaling)
-        ctx.save_for_backward(query, key, value, tau, distance_bias, *metadata, lse)
-        ctx.scaling = scaling
+    def forward(ctx, query, key, value, tau, distance_bias, metadata: "LazyMetadata", scaling):
+        key_used, value_used, positions = _kernel_inputs(key, value, metadata)
+        out, lse, _ = _forward(query, key_used, value_used, tau, distance_bias, *positions, scaling)
+        ctx.save_for_backward(query, key, value, tau, distance_bias, lse)
+        ctx.lazy_metadata, ctx.scaling = metadata, scaling
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        query, key, value, tau, distance_bias, q_pos, k_pos, q_seg, k_seg, lse = ctx.saved_tensors
-        dq, dk, dv, d_tau, d_bias = _backward(grad_out, query, key, value, tau, distance_bias, q_pos, k_pos,
-                                              q_seg, k_seg, lse, ctx.scaling)
-        return dq, dk, dv, d_tau.to(tau.dtype), d_bias.to(distance_bias.dtype), None, None, None, None, None
+        query, key, value, tau, distance_bias, lse = ctx.saved_tensors
+        key_used, value_used, positions = _kernel_inputs(key, value, ctx.lazy_metadata)
+        dq, dk, dv, d_tau, d_bias = _backward(grad_out, query, key_used, value_used, tau, distance_bias, *positions,
+                                              lse, ctx.scaling)
+        if key_used.shape[2] != key.shape[2]:  # gradients of the unused (unwritten) cache slots are 0
+            dk = torch.cat([dk, dk.new_zeros(*dk.shape[:2], key.shape[2] - dk.shape[2], dk.shape[3])], dim=2)
+            dv = torch.cat([dv, dv.new_zeros(*dv.shape[:2], value.shape[2] - dv.shape[2], dv.shape[3])], dim=2)
+        return dq, dk, dv, d_tau.to(tau.dtype), d_bias.to(distance_bias.dtype), None, None
 
 
-def lazy_attention_triton(query, key, value, tau, distance_bias, q_pos, k_pos, q_seg, k_seg, scaling):
+def lazy_attention_triton(query, key, value, tau, distance_bias, metadata: "LazyMetadata", scaling):
     """Lazy Attention with the Triton kernels (CUDA tensors, or CPU tensors under TRITON_INTERPRET=1).
 
     Args:
-        query: `[B, Hq, Tq, D]`; key, value: `[B, Hkv, Tk, D]` (float16, bfloat16 or float32; views allowed).
+        query: `[B, Hq, Tq, D]`; key, value: `[B, Hkv, >= Tk, D]` (float16, bfloat16 or float32; views allowed).
         tau: `[Hq]` float32; distance_bias: `[Hq, W]` float32.
-        q_pos `[B, Tq]`, k_pos `[B, Tk]` int64; q_seg `[B, Tq]`, k_seg `[B, Tk]` int32 (see lazy_attention_torch).
+        metadata: the call's `LazyMetadata` (see `lazy_attention_reference`).
         scaling: score scale (head_dim ** -0.5).
     Returns:
         `out [B, Tq, Hq, D]` in the query dtype; differentiable in query, key, value, tau, distance_bias.
     """
-    return LazyAttentionTritonFunction.apply(query, key, value, tau, distance_bias, q_pos, k_pos, q_seg, k_seg,
-                                             float(scaling))
+    return LazyAttentionTritonFunction.apply(query, key, value, tau, distance_bias, metadata, float(scaling))
 
 
-def lazy_attention_tile_stats(query, key, value, tau, distance_bias, q_pos, k_pos, q_seg, k_seg, scaling,
+def lazy_attention_tile_stats(query, key, value, tau, distance_bias, metadata: "LazyMetadata", scaling,
                               num_splits=None):
     """Forward once with counters (benchmarks only; synchronises): key tiles pass 2 visited vs visible.
 
     Returns `(visited, visible, density)`: the number of (query tile, key tile) pairs whose `a @ V` product
     pass 2 computed, the number with any visible (causal, same-document, non-padding) entry, and their ratio.
     """
-    _, _, stats = _forward(query, key, value, tau, distance_bias, *_metadata(q_pos, k_pos, q_seg, k_seg), scaling,
+    key, value, positions = _kernel_inputs(key, value, metadata)
+    _, _, stats = _forward(query, key, value, tau, distance_bias, *positions, scaling,
                            num_splits=num_splits, with_stats=True)
     visited, visible = (int(x) for x in stats.view(-1, 2).sum(0).tolist())
     return visited, visible, visited / max(1, visible)

@@ -34,7 +34,8 @@ try:  # flat copy next to a checkpoint (trust_remote_code)
     from .configuration_lazy import LazyLlamaConfig
 except ImportError:  # installed project: the config lives in its own package
     from configuration_lazy import LazyLlamaConfig
-from .lazy_attention_torch import lazy_attention_metadata, lazy_attention_reference, lazy_attention_torch
+from .lazy_attention_reference import LazyMetadata, lazy_attention_metadata, lazy_attention_reference
+from .lazy_attention_torch import lazy_attention_torch
 
 try:
     from .lazy_attention_triton import lazy_attention_triton
@@ -82,13 +83,10 @@ def eager_lazy_attention_forward(
     """Reference Lazy Attention that materialises `a_ij` (after the ReLU); supports `output_attentions`.
 
     query `[B, Hq, Tq, D]`, key/value `[B, Hkv, Tk, D]`; the mask information arrives as
-    `kwargs["lazy_metadata"]` = `(q_pos, k_pos, q_seg, k_seg)` built once per forward by the model.
+    `kwargs["lazy_metadata"]`, the `LazyMetadata` built once per forward by the model.
     Returns `(out [B, Tq, Hq, D], weights [B, Hq, Tq, Tk] float32)`.
     """
-    out, weights = lazy_attention_reference(
-        query, key, value, module.tau, module.distance_bias, *kwargs["lazy_metadata"], scaling
-    )
-    return out, weights
+    return lazy_attention_reference(query, key, value, module.tau, module.distance_bias, kwargs["lazy_metadata"], scaling)
 
 
 def lazy_attention_forward(
@@ -105,12 +103,8 @@ def lazy_attention_forward(
 
     Same inputs as `eager_lazy_attention_forward`; returns `(out [B, Tq, Hq, D], None)`.
     """
-    metadata = kwargs["lazy_metadata"]
-    if _lazy_backend(query) == "triton":
-        out = lazy_attention_triton(query, key, value, module.tau, module.distance_bias, *metadata, scaling)
-    else:
-        out = lazy_attention_torch(query, key, value, module.tau, module.distance_bias, *metadata, scaling)
-    return out, None
+    fused = lazy_attention_triton if _lazy_backend(query) == "triton" else lazy_attention_torch
+    return fused(query, key, value, module.tau, module.distance_bias, kwargs["lazy_metadata"], scaling), None
 
 
 AttentionInterface.register("lazy", lazy_attention_forward)
@@ -156,7 +150,7 @@ class LazyLlamaAttention(nn.Module):
         self,
         hidden_states: torch.Tensor,
         position_embeddings: tuple[torch.Tensor, torch.Tensor],
-        lazy_metadata: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+        lazy_metadata: LazyMetadata,
         cache: Cache | None = None,
         **kwargs,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -225,7 +219,7 @@ class LazyLlamaDecoderLayer(GradientCheckpointingLayer):
         self,
         hidden_states: torch.Tensor,
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
-        lazy_metadata: tuple[torch.Tensor, ...] | None = None,
+        lazy_metadata: LazyMetadata | None = None,
         cache: Cache | None = None,
         **kwargs,
     ) -> torch.Tensor:
@@ -247,7 +241,7 @@ class LazyLlamaDecoderLayer(GradientCheckpointingLayer):
 
 
 # Files that make a checkpoint self-contained for `trust_remote_code=True` (all flat, sibling imports).
-MODELING_FILES = ("modeling_lazy.py", "lazy_attention_torch.py", "lazy_attention_triton.py")
+MODELING_FILES = ("modeling_lazy.py", "lazy_attention_reference.py", "lazy_attention_torch.py", "lazy_attention_triton.py")
 AUTO_MAP = {
     "AutoConfig": "configuration_lazy.LazyLlamaConfig",
     "AutoModel": "modeling_lazy.LazyLlamaModel",
@@ -371,19 +365,11 @@ class LazyLlamaModel(LazyLlamaPreTrainedModel):
 
         bsz, q_len = inputs_embeds.shape[:2]
         past = cache.get_seq_length() if cache is not None else 0
-        if past + q_len > self.config.max_position_embeddings:
-            raise ValueError(
-                f"Sequence of {past + q_len} tokens (cache {past} + input {q_len}) is longer than the model "
-                f"supports (max_position_embeddings={self.config.max_position_embeddings}). Shorten the input, "
-                "or raise max_position_embeddings in the config if you accept extrapolation."
-            )
         lazy_metadata = lazy_attention_metadata(
             attention_mask, position_ids, past, q_len, bsz, inputs_embeds.device, kwargs.get("cu_seq_lens_q")
         )
-        q_pos = lazy_metadata[0]
-
         hidden_states = inputs_embeds
-        position_embeddings = self.rotary_emb(hidden_states, position_ids=q_pos)
+        position_embeddings = self.rotary_emb(hidden_states, position_ids=lazy_metadata.q_pos)
         for decoder_layer in self.layers[: self.config.num_hidden_layers]:
             hidden_states = decoder_layer(
                 hidden_states,

@@ -7,6 +7,7 @@ bias window is shorter and longer than the sequence, queries follow a cache, and
 import pytest
 import torch
 
+from modeling_lazy import lazy_attention_reference as ref
 from modeling_lazy import lazy_attention_torch as ops
 
 
@@ -24,13 +25,13 @@ def _threshold_margin(q, k, v, tau, bias, meta) -> float:
     """Smallest non-zero |p_ij + tau_h / n_i| over visible entries, in float64 (exact ties such as p = 1,
     tau = -1, n = 1 on the first row come out exactly 0 in every implementation)."""
     zero = torch.zeros_like(tau, dtype=torch.float64)
-    _, probs = ops.lazy_attention_reference(q.detach().double(), k.detach().double(), v.detach().double(), zero,
-                                            bias.detach().double(), *meta, 8**-0.5)
-    _, ones = ops.lazy_attention_reference(q.detach().double(), k.detach().double(), v.detach().double(),
+    _, probs = ref.lazy_attention_reference(q.detach().double(), k.detach().double(), v.detach().double(), zero,
+                                            bias.detach().double(), meta, 8**-0.5)
+    _, ones = ref.lazy_attention_reference(q.detach().double(), k.detach().double(), v.detach().double(),
                                            zero + 1, zero[:, None] + torch.zeros_like(bias, dtype=torch.float64),
-                                           *meta, 8**-0.5)
+                                           meta, 8**-0.5)
     visible = ones > 0  # tau = 1 gives every visible entry a positive weight
-    shifted = probs + tau.detach().double()[None, :, None, None] / (meta[0] + 1)[:, None, :, None].double()
+    shifted = probs + tau.detach().double()[None, :, None, None] / (meta.q_pos + 1)[:, None, :, None].double()
     shifted = shifted[visible].abs()
     return shifted[shifted > 0].min().item()
 
@@ -56,14 +57,14 @@ def test_chunked_op_matches_reference(layout, tau_kind, padded, rng_seed, monkey
     mask = torch.ones(spec["bsz"], k_len, dtype=torch.long)
     if padded:
         mask[0, : k_len // 3] = 0  # general layout: padding keys and queries
-    meta = ops.lazy_attention_metadata(mask, None, spec["past"], spec["q_len"], spec["bsz"], torch.device("cpu"))
+    meta = ref.lazy_attention_metadata(mask, None, spec["past"], spec["q_len"], spec["bsz"], torch.device("cpu"))
     for _ in range(50):  # the ReLU gradient jumps at p = -tau/n: keep float32 rounding away from it
         q, k, v, tau, bias = _inputs(spec["bsz"], heads, spec["kv_heads"], spec["q_len"], spec["past"], 8,
                                      spec["window"], tau_value)
         if _threshold_margin(q, k, v, tau, bias, meta) > 1e-7:
             break
-    want, _ = ops.lazy_attention_reference(q, k, v, tau, bias, *meta, 8**-0.5)
-    got = ops.lazy_attention_torch(q, k, v, tau, bias, *meta, 8**-0.5)
+    want, _ = ref.lazy_attention_reference(q, k, v, tau, bias, meta, 8**-0.5)
+    got = ops.lazy_attention_torch(q, k, v, tau, bias, meta, 8**-0.5)
     valid = mask[:, spec["past"]:].bool()
     torch.testing.assert_close(got[valid], want[valid], atol=2e-5, rtol=1e-4, msg=f"seed {rng_seed}")
 
@@ -76,12 +77,66 @@ def test_chunked_op_matches_reference(layout, tau_kind, padded, rng_seed, monkey
 
 
 def test_causal_layout_detection():
-    meta = ops.lazy_attention_metadata(None, None, 3, 5, 2, torch.device("cpu"))
-    assert ops._is_causal_layout(*meta)
-    shifted = ops.lazy_attention_metadata(None, torch.arange(7, 12)[None], 0, 5, 1, torch.device("cpu"))
-    assert ops._is_causal_layout(*shifted)
+    cpu = torch.device("cpu")
+    assert ref.lazy_attention_metadata(None, None, 3, 5, 2, cpu).causal
+    assert ref.lazy_attention_metadata(None, torch.arange(7, 12)[None], 0, 5, 1, cpu).causal
+    assert ref.lazy_attention_metadata(torch.ones(2, 8, dtype=torch.long), None, 3, 5, 2, cpu).causal  # all ones
     mask = torch.ones(2, 8, dtype=torch.long)
     mask[1, 0] = 0
-    assert not ops._is_causal_layout(*ops.lazy_attention_metadata(mask, None, 0, 8, 2, torch.device("cpu")))
+    assert not ref.lazy_attention_metadata(mask, None, 0, 8, 2, cpu).causal
     packed = torch.cat([torch.arange(3), torch.arange(5)])[None]
-    assert not ops._is_causal_layout(*ops.lazy_attention_metadata(None, packed, 0, 8, 1, torch.device("cpu")))
+    assert not ref.lazy_attention_metadata(None, packed, 0, 8, 1, cpu).causal
+    meta = ref.lazy_attention_metadata(mask, None, 3, 5, 2, cpu)
+    assert meta.key_offset == 3 and meta.key_length == 8
+    assert meta.q_pos32.dtype == torch.int32 and torch.equal(meta.k_pos32.long(), meta.k_pos)
+
+
+def _all_layout_metadata(kind: str, q_len: int, past: int, bsz: int):
+    cpu = torch.device("cpu")
+    if kind == "causal":
+        return ref.lazy_attention_metadata(None, None, past, q_len, bsz, cpu)
+    mask = torch.ones(bsz, past + q_len, dtype=torch.long)
+    mask[0, :2] = 0
+    return ref.lazy_attention_metadata(mask, None, past, q_len, bsz, cpu)
+
+
+@pytest.mark.parametrize("layout", ["causal", "padded"])
+@pytest.mark.parametrize("tau_value", [-0.5, 0.0, 0.7])
+def test_rows_whose_scores_are_all_minus_inf_give_zero(layout, tau_value, rng_seed):
+    """A `-inf` distance bias at small distances leaves early rows without a normaliser: output 0, no NaN,
+    in the reference and the CPU path alike (forward and gradients)."""
+    heads, q_len, past, bsz, dim = 2, 9, 0, 2, 8
+    meta = _all_layout_metadata(layout, q_len, past, bsz)
+    q, k, v, tau, bias = _inputs(bsz, heads, 1, q_len, past, dim, 6, tau_value)
+    with torch.no_grad():
+        bias[0, :3] = float("-inf")  # head 0: rows at positions 0..2 see only -inf scores
+        bias[1, 0] = float("-inf")  # head 1: only the row at position 0
+    want, weights = ref.lazy_attention_reference(q, k, v, tau, bias, meta, dim**-0.5)
+    got = ops.lazy_attention_torch(q, k, v, tau, bias, meta, dim**-0.5)
+    assert torch.isfinite(want).all() and torch.isfinite(got).all(), f"seed {rng_seed}"
+    first = meta.q_pos[1] <= 2  # row 1 is unpadded in both layouts: positions 0..2 are dead for head 0
+    assert (want[1, first, 0] == 0).all() and (weights[1, 0, first] == 0).all()
+    assert (got[1, first, 0] == 0).all()
+    valid = meta.q_seg >= 0
+    torch.testing.assert_close(got[valid], want[valid], atol=2e-5, rtol=1e-4, msg=f"seed {rng_seed}")
+    grad_out = torch.randn_like(want) * valid[:, :, None, None]
+    finite_bias = [x for x in (q, k, v, tau)]
+    g_want = torch.autograd.grad(want, finite_bias + [bias], grad_out)
+    g_got = torch.autograd.grad(got, finite_bias + [bias], grad_out)
+    for name, a, b in zip("q k v tau bias".split(), g_got, g_want):
+        assert torch.isfinite(a).all(), f"d{name} not finite, seed {rng_seed}"
+        torch.testing.assert_close(a, b, atol=5e-5, rtol=1e-4, msg=f"d{name}, seed {rng_seed}")
+
+
+def test_longer_key_buffer_than_the_call_attends(rng_seed):
+    """A static cache hands every layer its whole preallocated buffer: only `metadata.key_length` keys count."""
+    heads, q_len, past, bsz, dim = 2, 3, 5, 1, 8
+    meta = ref.lazy_attention_metadata(None, None, past, q_len, bsz, torch.device("cpu"))
+    q, k, v, tau, bias = _inputs(bsz, heads, 2, q_len, past, dim, 4, -0.3)
+    junk = torch.randn(bsz, 2, 7, dim)  # unwritten slots of the buffer
+    k_buf, v_buf = torch.cat([k, junk], 2), torch.cat([v, junk], 2)
+    want, _ = ref.lazy_attention_reference(q, k, v, tau, bias, meta, dim**-0.5)
+    for fn in (ref.lazy_attention_reference, ops.lazy_attention_torch):
+        got = fn(q, k_buf, v_buf, tau, bias, meta, dim**-0.5)
+        got = got[0] if isinstance(got, tuple) else got
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4, msg=f"{fn.__name__}, seed {rng_seed}")

@@ -36,7 +36,7 @@ TOLERANCE = {torch.float32: 2e-4, torch.float16: 1e-2, torch.bfloat16: 4e-2}
 
 
 # ---------------------------------------------------------------------------------------------------
-# Independent float64 reference (dense; written from SPEC section 1, shares no code with the project)
+# Independent float64 reference (dense; written from the math in docs/design.md, shares no code with the project)
 # ---------------------------------------------------------------------------------------------------
 
 
@@ -84,6 +84,18 @@ def metadata(bsz, q_len, k_len, pad=None, docs=None):
     return q_pos, k_pos, q_seg, k_seg
 
 
+def as_metadata(q_pos, k_pos, q_seg, k_seg):
+    """The project's `LazyMetadata` for the tensors above (general layout: no fast-path assumption)."""
+    from modeling_lazy.lazy_attention_reference import LazyMetadata
+
+    offset = k_pos.shape[1] - q_pos.shape[1]
+    return LazyMetadata(q_pos, k_pos, q_seg, k_seg, offset, False, q_pos.to(torch.int32), k_pos.to(torch.int32))
+
+
+def int32(meta):
+    return tuple(x.to(torch.int32).contiguous() for x in meta)
+
+
 def make_inputs(bsz, heads, kv_heads, q_len, k_len, dim, window, dtype, tau, q_scale=1.0, seed=0):
     gen = torch.Generator().manual_seed(seed)
     query = (q_scale * torch.randn(bsz, heads, q_len, dim, generator=gen)).to(dtype)
@@ -109,7 +121,7 @@ def check(kernels, inputs, meta, dtype, key_view=False):
     if key_view:  # non-contiguous key/value, as a cache slice would give
         k_in = torch.cat([leaves[1], leaves[1]], dim=2)[:, :, : key.shape[2]]
         v_in = leaves[2].transpose(1, 2).contiguous().transpose(1, 2)
-    out = kernels.lazy_attention_triton(leaves[0], k_in, v_in, *leaves[3:], *meta, scaling)
+    out = kernels.lazy_attention_triton(leaves[0], k_in, v_in, *leaves[3:], as_metadata(*meta), scaling)
     expected = reference(*ref_leaves, *meta, scaling)
     assert out.dtype == dtype and out.shape == expected.shape
     out.backward(grad.to(dtype))
@@ -161,7 +173,7 @@ def ampere_blocks(kernels):
 def split_k_decode_and_skip_off_match(kernels):
     """The split-K decode kernels and the no-skipping variants compute the same as the default path."""
     query, key, value, tau, bias, grad = make_inputs(2, 4, 2, 1, 300, 64, 64, torch.float32, [-1.0, 0.3, -3.0, 0])
-    meta = kernels._metadata(*metadata(2, 1, 300, pad=[0, 37]))
+    meta = int32(metadata(2, 1, 300, pad=[0, 37]))
     scaling = 0.125
     expected = reference(query, key, value, tau, bias, *[m.long() for m in meta], scaling)
     errors = {}
@@ -170,7 +182,7 @@ def split_k_decode_and_skip_off_match(kernels):
         errors[f"splits={splits} skip={skip}"] = relative_error(out, expected)
     assert max(errors.values()) < TOLERANCE[torch.float32], errors
     query, key, value, tau, bias, grad = make_inputs(1, 2, 1, 40, 40, 64, 16, torch.float32, [-2.0, -1.0])
-    meta = kernels._metadata(*metadata(1, 40, 40))
+    meta = int32(metadata(1, 40, 40))
     _, lse, _ = kernels._forward(query, key, value, tau, bias, *meta, scaling)
     on = kernels._backward(grad, query, key, value, tau, bias, *meta, lse, scaling, skip=True)
     off = kernels._backward(grad, query, key, value, tau, bias, *meta, lse, scaling, skip=False)
@@ -183,16 +195,43 @@ def tile_density_counts(kernels):
     """Pass 2 visits every visible tile when tau > 0, and skips dead tiles when a strong local bias wins."""
     length = 256  # 2 query tiles of 128 rows x 4 key tiles of 64
     query, key, value, _, _, _ = make_inputs(1, 1, 1, length, length, 64, 8, torch.float32, [0.0], q_scale=0.1)
-    meta = metadata(1, length, length)
-    dense = kernels.lazy_attention_tile_stats(query, key, value, torch.tensor([0.5]), torch.zeros(1, 8), *meta, 0.125)
+    meta = as_metadata(*metadata(1, length, length))
+    dense = kernels.lazy_attention_tile_stats(query, key, value, torch.tensor([0.5]), torch.zeros(1, 8), meta, 0.125)
     block_m, block_n, _, _ = kernels._config("fwd", 64)
     causal = sum(min(length, (m + 1) * block_m) // block_n for m in range(length // block_m))
     assert dense[0] == dense[1] == causal, dense
     local = torch.full((1, 8), -30.0)
     local[0, :2] = 30.0  # only distances 0 and 1 carry weight
-    sparse = kernels.lazy_attention_tile_stats(query, key, value, torch.tensor([-1.0]), local, *meta, 0.125)
+    sparse = kernels.lazy_attention_tile_stats(query, key, value, torch.tensor([-1.0]), local, meta, 0.125)
     assert sparse[1] == causal and sparse[0] < sparse[1] and 0 < sparse[2] < 1, sparse
     return {"dense": dense, "sparse": sparse}
+
+
+def dead_rows_and_longer_key_buffer(kernels):
+    """Rows whose visible scores are all -inf give 0 (never NaN) with both tau signs, and a key buffer longer than
+    the metadata (a static cache) reads only the keys the call attends to; compared with the project's reference."""
+    from modeling_lazy.lazy_attention_reference import lazy_attention_metadata, lazy_attention_reference
+
+    query, key, value, tau, bias, grad = make_inputs(2, 4, 2, 20, 26, 64, 8, torch.float32, [-1.0, 0.5, 0.0, -0.2])
+    bias[:2, :4] = float("-inf")  # heads 0 and 1: every row at position <= 3 sees only -inf scores
+    mask = torch.ones(2, 26, dtype=torch.long)
+    mask[1, :3] = 0
+    meta = lazy_attention_metadata(mask, None, 6, 20, 2, torch.device("cpu"))
+    junk = torch.randn(2, 2, 5, 64)
+    leaves = [x.clone().requires_grad_() for x in (query, key, value, tau, bias)]
+    out = kernels.lazy_attention_triton(leaves[0], torch.cat([leaves[1], junk], 2), torch.cat([leaves[2], junk], 2),
+                                        leaves[3], leaves[4], meta, 0.125)
+    ref_leaves = [x.clone().requires_grad_() for x in (query, key, value, tau, bias)]
+    expected, _ = lazy_attention_reference(*ref_leaves, meta, 0.125)
+    assert torch.isfinite(out).all()
+    out.backward(grad)
+    expected.backward(grad)
+    errors = {"out": relative_error(out.detach(), expected.detach().double())}
+    for name, leaf, ref in zip(("dq", "dk", "dv", "dtau", "dbias"), leaves, ref_leaves):
+        assert torch.isfinite(leaf.grad).all(), name
+        errors[name] = relative_error(leaf.grad, ref.grad.double())
+    assert max(errors.values()) < TOLERANCE[torch.float32], errors
+    return errors
 
 
 def refuses_what_it_cannot_run(kernels):
@@ -243,6 +282,7 @@ CASES = {
     "sm80-block-table": ampere_blocks,
     "split-k-decode-and-skip-off": split_k_decode_and_skip_off_match,
     "tile-density-counts": tile_density_counts,
+    "dead-rows-and-longer-key-buffer": dead_rows_and_longer_key_buffer,
     "refuses-what-it-cannot-run": refuses_what_it_cannot_run,
     "model-greedy-generation-triton-vs-eager": model_greedy_generation_matches_eager,
 }
