@@ -176,8 +176,8 @@ class LazyAttentionImpl(AttentionImpl[LazyServingMetadata]):
             cached = cached.permute(0, 2, 1, 3)
             k, v = cached[..., : self.head_size], cached[..., self.head_size:]
             q = query[group.token_index].view(group.batch, group.query_length, self.num_heads, self.head_size)
-            out = lazy_attention_torch(q.transpose(1, 2), k, v, self.tau, self.distance_bias,
-                                       *group.metadata[:4], self.scale)  # [B, Tq, Hq, Dv]
+            out = lazy_attention_torch(q.transpose(1, 2), k, v, self.tau, self.distance_bias, group.metadata,
+                                       self.scale)  # [B, Tq, Hq, Dv]
             output[group.token_index] = out.reshape(-1, self.num_heads, out.shape[-1]).to(output.dtype)
         return output
 
