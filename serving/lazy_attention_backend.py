@@ -171,9 +171,10 @@ class LazyAttentionImpl(AttentionImpl[LazyServingMetadata]):
             raise NotImplementedError("LazyLlama on vLLM does not fuse output quantization.")
         if attn_metadata is None:  # vLLM's profiling run: no cache yet, nothing to attend
             return output
+        heads = torch.arange(kv_cache.shape[1], device=kv_cache.device)[None, :, None]
         for group in attn_metadata.groups:
-            cached = kv_cache[group.key_blocks, :, group.key_offsets]  # [B, Tk, Hkv, D + Dv]
-            cached = cached.permute(0, 2, 1, 3)
+            # one gather straight into [B, Hkv, Tk, D + Dv]: each (request, head) matrix is contiguous
+            cached = kv_cache[group.key_blocks[:, None, :], heads, group.key_offsets[:, None, :]]
             k, v = cached[..., : self.head_size], cached[..., self.head_size:]
             q = query[group.token_index].view(group.batch, group.query_length, self.num_heads, self.head_size)
             out = lazy_attention_torch(q.transpose(1, 2), k, v, self.tau, self.distance_bias, group.metadata,
