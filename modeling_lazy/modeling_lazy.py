@@ -45,6 +45,8 @@ except ImportError:  # triton not installed (CPU-only or Hub users): the PyTorch
 
 
 BACKEND_ENV = "LAZY_ATTENTION_BACKEND"
+# Name of the cache field of model outputs: `cache` since transformers 5.2x, `past_key_values` before.
+CACHE_FIELD = "cache" if "cache" in BaseModelOutputWithPast.__dataclass_fields__ else "past_key_values"
 # The two parameters Lazy Attention adds to every attention layer (float32, one entry per query head).
 LAZY_PARAMETER_NAMES = ("tau", "distance_bias")
 REFUSED_IMPLEMENTATIONS = ("sdpa", "flash_attention_2", "flash_attention_3", "flash_attention_4", "flex_attention")
@@ -385,7 +387,7 @@ class LazyLlamaModel(LazyLlamaPreTrainedModel):
                 cache=cache,
             )
         hidden_states = self.norm(hidden_states)
-        return BaseModelOutputWithPast(last_hidden_state=hidden_states, cache=cache)
+        return BaseModelOutputWithPast(last_hidden_state=hidden_states, **{CACHE_FIELD: cache})
 
 
 class LazyLlamaForCausalLM(LazyLlamaPreTrainedModel, GenerationMixin):
@@ -434,9 +436,9 @@ class LazyLlamaForCausalLM(LazyLlamaPreTrainedModel, GenerationMixin):
         return CausalLMOutputWithPast(
             loss=loss,
             logits=logits,
-            cache=outputs.cache,
             hidden_states=outputs.hidden_states,
             attentions=outputs.attentions,
+            **{CACHE_FIELD: getattr(outputs, CACHE_FIELD)},
         )
 
 

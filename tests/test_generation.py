@@ -7,6 +7,7 @@ import torch
 from transformers import DynamicCache
 
 from conftest import tiny_model
+from modeling_lazy.modeling_lazy import CACHE_FIELD
 
 
 @pytest.fixture
@@ -32,7 +33,7 @@ def test_cached_decode_logits_equal_full_forward(model):
     out = model(ids[:, :9], cache=cache, use_cache=True)
     steps = [out.logits]
     for t in range(9, 15):
-        steps.append(model(ids[:, t:t + 1], cache=out.cache, use_cache=True).logits)
+        steps.append(model(ids[:, t:t + 1], cache=getattr(out, CACHE_FIELD), use_cache=True).logits)
     torch.testing.assert_close(torch.cat(steps, 1), full, atol=1e-5, rtol=1e-5)
 
 
@@ -83,10 +84,10 @@ def test_sampling_and_beam_search_run(model):
 def test_continue_from_past_key_values(model):
     ids = torch.randint(3, 97, (1, 6))
     first = model.generate(ids, max_new_tokens=5, do_sample=False, pad_token_id=0, return_dict_in_generate=True)
-    cache = copy.deepcopy(first.cache)
+    cache = copy.deepcopy(getattr(first, CACHE_FIELD))
     extra = torch.randint(3, 97, (1, 2))
     prompt2 = torch.cat([first.sequences, extra], 1)
-    continued = model.generate(prompt2, cache=cache, max_new_tokens=5, do_sample=False, pad_token_id=0)
+    continued = model.generate(prompt2, **{CACHE_FIELD: cache}, max_new_tokens=5, do_sample=False, pad_token_id=0)
     fresh = model.generate(prompt2, max_new_tokens=5, do_sample=False, pad_token_id=0)
     assert torch.equal(continued, fresh)
 

