@@ -24,7 +24,6 @@ Quote ratios from one run; absolute times only count on the GPU they were measur
 
 import argparse
 import contextlib
-import math
 import os
 import platform
 import statistics

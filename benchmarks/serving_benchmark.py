@@ -132,7 +132,7 @@ def main() -> None:
         "seconds": runs, "output_tokens_per_s": rates, "ratios": ratios,
     }
     args.out.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"| case | vLLM LazyLlama tok/s | vLLM Llama tok/s | generate() LazyLlama tok/s | Lazy/Llama (vLLM) | "
+    print("| case | vLLM LazyLlama tok/s | vLLM Llama tok/s | generate() LazyLlama tok/s | Lazy/Llama (vLLM) | "
           "vLLM/generate (Lazy) |\n| --- | --- | --- | --- | --- | --- |")
     for case in tokens:
         print(f"| {case} | {rates['vllm_lazy'][case]:.1f} | {rates['vllm_llama'][case]:.1f} | "

@@ -523,8 +523,9 @@ print(f"PEAK {status('VmHWM') - start} {summary['bytes']}")
 
 
 def test_smollm2_converts_verifies_loads_and_generates(tmp_path):
-    from lazy_tools.data import smollm2_llama_dir
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from lazy_tools.data import smollm2_llama_dir
 
     try:
         source = smollm2_llama_dir()

@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from finetune_fixtures import write_corpora, write_tiny_model
 from safetensors.torch import load_file
 from transformers import TrainingArguments
 
 import modeling_lazy  # noqa: F401
-from finetune_fixtures import write_corpora, write_tiny_model
 from lazy_tools import finetune
 from lazy_tools.finetune import (
     LazyAttentionCallback,

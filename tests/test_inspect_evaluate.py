@@ -14,8 +14,8 @@ import pytest
 import torch
 
 import modeling_lazy  # noqa: F401
-from modeling_lazy import LazyLlamaConfig, LazyLlamaForCausalLM
 from lazy_tools import evaluate, inspect_attention
+from modeling_lazy import LazyLlamaConfig, LazyLlamaForCausalLM
 
 WORDS = ("the cat dog sat on a mat and ran to house tree big small red blue green saw it was "
          "very happy today when we went out of town with some old friends who like tea").split()

@@ -24,15 +24,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import run_without_project, tiny_model
+from hub_server import FakeHub, SilentHub
 from huggingface_hub import constants as hub_constants
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 from transformers.utils import hub as transformers_hub
 
-from conftest import run_without_project, tiny_model
 from conversion.model_card import SETTINGS_FILE, STATS_FILE, write_model_card
 from conversion.push_to_hub import PushError, main, push_to_hub, validate_folder
-from hub_server import FakeHub, SilentHub
 from modeling_lazy import LazyLlamaForCausalLM
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]

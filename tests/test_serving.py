@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import tiny_config
+
 from modeling_lazy import LazyLlamaForCausalLM
 
 pytestmark = pytest.mark.skipif(

@@ -1,10 +1,9 @@
 """Training: a few Trainer steps lower the loss; gradient checkpointing gives the same gradients."""
 
 import torch
+from conftest import tiny_model
 from torch.utils.data import Dataset
 from transformers import Trainer, TrainingArguments
-
-from conftest import tiny_model
 
 
 class RepeatingDataset(Dataset):
