@@ -164,7 +164,8 @@ def compile_all(builds=None, workers: int | None = None) -> list[tuple[Build, di
 
 def markdown_table(rows) -> str:
     module = load_kernels()
-    lines = ["| kernel | blocks (M x N) | warps | dtype | D | arch | registers | shared (B) | local+stack (spill, B) | wgmma |",
+    lines = ["| kernel | blocks (M x N) | warps | dtype | D | arch | registers | shared (B) "
+             "| local+stack (spill, B) | wgmma |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for build, usage, _ in rows:
         c = _constexprs(module, build)

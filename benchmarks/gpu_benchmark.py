@@ -169,6 +169,62 @@ def _fa2_callable(q, k, v, backward, grad):
     return run
 
 
+def _prefill_rows(device, dim, heads, window, length, bsz, backward, with_flex) -> list[str]:
+    """Time every method for one (D, L, pass) point; return its table rows. Runs in its own frame so that
+    the inputs and the closures over them are freed on return, before the caller empties the CUDA cache."""
+    rows = []
+    fa_fwd_flops = 2 * bsz * heads * length * length * dim
+    leaves, meta = make_inputs(bsz, heads, heads, length, length, dim, 0.0, window, device, grad=backward)
+    q, k, v, tau0, bias = leaves
+    tau1 = torch.full_like(tau0.detach(), -1.0).requires_grad_(backward)
+    grad = torch.randn(bsz, length, heads, dim, device=device, dtype=q.dtype) if backward else None
+    grad_sdpa = grad.transpose(1, 2) if backward else None
+    scaling = dim**-0.5
+
+    def lazy(tau, skip, causal=True):
+        def run():
+            if backward:
+                out = lazy_triton.lazy_attention_triton(q, k, v, tau, bias, meta, scaling)
+                torch.autograd.backward(out, grad)
+            else:
+                lazy_triton._forward(q, k, v, tau, bias, *lazy_triton._kernel_inputs(k, v, meta)[2],
+                                     scaling, skip=skip, causal=causal and meta.causal)
+        return run
+
+    def sdpa():
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if backward:
+            torch.autograd.backward(out, grad_sdpa)
+
+    functions = {"sdpa-flash": sdpa, "lazy tau=0": lazy(tau0, True), "lazy tau=-1": lazy(tau1, True)}
+    if not backward:
+        functions["lazy tau=-1 general"] = lazy(tau1, True, causal=False)
+        functions["lazy tau=-1 general no-skip"] = lazy(tau1, False, causal=False)
+    fa2 = _fa2_callable(q, k, v, backward, grad)
+    if fa2 is not None:
+        functions["flash-attn-2"] = fa2
+    if with_flex:
+        try:
+            functions["flex+bias"] = _flex_callable(q, k, v, bias, window, backward, grad_sdpa)
+            functions["flex+bias"]()
+        except Exception as error:  # noqa: BLE001 - report and go on without it
+            print(f"FlexAttention unavailable at L={length}, D={dim}: {type(error).__name__}: {error}")
+            functions.pop("flex+bias", None)
+    times = time_interleaved(functions, device)
+    base = times["sdpa-flash"]
+    fa_flops = fa_fwd_flops * (3.5 if backward else 1.0)
+    lazy_flops = fa_fwd_flops * (6.0 if backward else 1.5)
+    for name, ms in times.items():
+        true_flops = lazy_flops if name.startswith("lazy") else fa_flops
+        rows.append(f"| {'fwd+bwd' if backward else 'fwd'} | {dim} | {length} | {bsz}x{heads} | {name} | "
+                    f"{ms:.3f} | {ms / base:.2f} | {fa_flops / ms / 1e9:.0f} | {true_flops / ms / 1e9:.0f} |")
+    print("\n".join(rows), flush=True)
+    return rows
+
+
 def prefill_table(device, lengths, dims, tokens, with_flex, width=2048) -> None:
     rows = []
     for dim in dims:
@@ -176,57 +232,8 @@ def prefill_table(device, lengths, dims, tokens, with_flex, width=2048) -> None:
         window = 1024
         for length in lengths:
             bsz = max(1, tokens // length)
-            fa_fwd_flops = 2 * bsz * heads * length * length * dim
             for backward in (False, True):
-                leaves, meta = make_inputs(bsz, heads, heads, length, length, dim, 0.0, window, device, grad=backward)
-                q, k, v, tau0, bias = leaves
-                tau1 = torch.full_like(tau0.detach(), -1.0).requires_grad_(backward)
-                grad = torch.randn(bsz, length, heads, dim, device=device, dtype=q.dtype) if backward else None
-                grad_sdpa = grad.transpose(1, 2) if backward else None
-                scaling = dim**-0.5
-
-                def lazy(tau, skip, causal=True):
-                    def run():
-                        if backward:
-                            out = lazy_triton.lazy_attention_triton(q, k, v, tau, bias, meta, scaling)
-                            torch.autograd.backward(out, grad)
-                        else:
-                            lazy_triton._forward(q, k, v, tau, bias, *lazy_triton._kernel_inputs(k, v, meta)[2],
-                                                 scaling, skip=skip, causal=causal and meta.causal)
-                    return run
-
-                def sdpa():
-                    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-                    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-                        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-                    if backward:
-                        torch.autograd.backward(out, grad_sdpa)
-
-                functions = {"sdpa-flash": sdpa, "lazy tau=0": lazy(tau0, True), "lazy tau=-1": lazy(tau1, True)}
-                if not backward:
-                    functions["lazy tau=-1 general"] = lazy(tau1, True, causal=False)
-                    functions["lazy tau=-1 general no-skip"] = lazy(tau1, False, causal=False)
-                fa2 = _fa2_callable(q, k, v, backward, grad)
-                if fa2 is not None:
-                    functions["flash-attn-2"] = fa2
-                if with_flex:
-                    try:
-                        functions["flex+bias"] = _flex_callable(q, k, v, bias, window, backward, grad_sdpa)
-                        functions["flex+bias"]()
-                    except Exception as error:  # noqa: BLE001 - report and go on without it
-                        print(f"FlexAttention unavailable at L={length}, D={dim}: {type(error).__name__}: {error}")
-                        functions.pop("flex+bias", None)
-                times = time_interleaved(functions, device)
-                base = times["sdpa-flash"]
-                fa_flops = fa_fwd_flops * (3.5 if backward else 1.0)
-                lazy_flops = fa_fwd_flops * (6.0 if backward else 1.5)
-                for name, ms in times.items():
-                    true_flops = lazy_flops if name.startswith("lazy") else fa_flops
-                    rows.append(f"| {'fwd+bwd' if backward else 'fwd'} | {dim} | {length} | {bsz}x{heads} | {name} | "
-                                f"{ms:.3f} | {ms / base:.2f} | {fa_flops / ms / 1e9:.0f} | {true_flops / ms / 1e9:.0f} |")
-                print("\n".join(rows[-len(times):]), flush=True)
-                del leaves, q, k, v, grad
+                rows += _prefill_rows(device, dim, heads, window, length, bsz, backward, with_flex)
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
     print("\n| pass | D | L | B x H | method | ms | / SDPA | FA-equiv TFLOP/s | true TFLOP/s |")

@@ -706,7 +706,9 @@ def _progress(items, description, quiet):
 
 
 @torch.no_grad()
-def verify_conversion(source: str | Path, converted: str | Path, *, dtype: torch.dtype = torch.float32, log=print) -> float:
+def verify_conversion(
+    source: str | Path, converted: str | Path, *, dtype: torch.dtype = torch.float32, log=print
+) -> float:
     """Max abs difference between the logits of the source Llama and the converted LazyLlama on a fixed prompt.
 
     Both are loaded with their weights rounded to `dtype` and computed in float32, so a lossless conversion

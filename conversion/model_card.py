@@ -37,7 +37,8 @@ def _statistics_lines(stats: dict) -> list[str]:
     flat dict of figures."""
     mean = stats.get("mean", stats)
     figures = [key for key in _FIGURES if key in mean] + [
-        key for key in mean if key not in _FIGURES and isinstance(mean[key], (int, float)) and not isinstance(mean[key], bool)
+        key for key in mean
+        if key not in _FIGURES and isinstance(mean[key], (int, float)) and not isinstance(mean[key], bool)
     ]
     lines = ["", "## Measured attention statistics", "", "| measure | value |", "|---|---|"]
     lines += [f"| {_FIGURES.get(key, key)} | {_format(mean[key])} |" for key in figures]
@@ -48,7 +49,8 @@ def _statistics_lines(stats: dict) -> list[str]:
             lines += ["", "Per layer (mean over heads):", "", "| layer | " + " | ".join(shown) + " |",
                       "|---|" + "---|" * len(shown)]
             for index, layer in enumerate(layers):
-                cells = [sum(layer[key]) / len(layer[key]) if isinstance(layer[key], list) else layer[key] for key in shown]
+                cells = [sum(layer[key]) / len(layer[key]) if isinstance(layer[key], list) else layer[key]
+                         for key in shown]
                 lines.append(f"| {layer.get('layer', index)} | " + " | ".join(_format(float(c)) for c in cells) + " |")
     if "source" in stats:
         lines += ["", f"Measured on: {stats['source']}."]
@@ -98,7 +100,8 @@ def render_model_card(
         link = f"[`{base_model}`](https://huggingface.co/{base_model})" if hub_base_model else f"`{base_model}`"
         lines.append(f"- converted from: {link}")
     if license:
-        lines.append(f"- license: `{license}` (carried from the source model)" if base_model else f"- license: `{license}`")
+        lines.append(f"- license: `{license}` (carried from the source model)" if base_model
+                     else f"- license: `{license}`")
     if conversion:
         lines += ["", "## Conversion settings", "", "| setting | value |", "|---|---|"]
         lines += [f"| {key} | {_format(value)} |" for key, value in conversion.items()]

@@ -1,8 +1,8 @@
 """Publish a LazyLlama folder (converted or trained) to the Hugging Face Hub in one commit.
 
 ```bash
-lazy-push DIR REPO_ID [--private] [--revision BRANCH] [--commit-message MSG] [--create-pr] [--token TOKEN] [--stats FILE]
-          [--include PATTERN ...] [--timeout SECONDS] [--retries N]
+lazy-push DIR REPO_ID [--private] [--revision BRANCH] [--commit-message MSG] [--create-pr] [--token TOKEN]
+          [--stats FILE] [--include PATTERN ...] [--timeout SECONDS] [--retries N]
 python -m conversion.push_to_hub DIR REPO_ID ...
 ```
 
@@ -124,7 +124,8 @@ def _check_code(folder: Path, config: dict, problems: list[str]) -> list[str]:
         seen.add(module)
         path = folder / f"{module}.py"
         if not path.is_file():
-            problems.append(f"{module}.py is imported by the model code (`from .{module} import ...`) but is not in {folder}.")
+            problems.append(f"{module}.py is imported by the model code (`from .{module} import ...`) "
+                            f"but is not in {folder}.")
             continue
         todo += sorted(_relative_imports(path) - seen)
     return sorted(f"{module}.py" for module in seen if (folder / f"{module}.py").is_file())
@@ -224,7 +225,8 @@ def validate_folder(folder: str | Path, include: list[str] | tuple[str, ...] = (
             problems.append(f"--include {pattern!r} matches no file in {folder} (patterns are relative to it).")
         selected.update(matched)
     if problems:
-        raise PushError(f"{folder} is not ready to publish; nothing was uploaded:\n" + "\n".join(f"  - {p}" for p in problems))
+        raise PushError(f"{folder} is not ready to publish; nothing was uploaded:\n"
+                        + "\n".join(f"  - {p}" for p in problems))
     return sorted(selected)
 
 
@@ -419,14 +421,17 @@ def _summarise(paths: list[str], shown: int = 6) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="lazy-push",
-        description="Publish a LazyLlama folder to the Hugging Face Hub in one commit, with its code files and a model card.",
+        description="Publish a LazyLlama folder to the Hugging Face Hub in one commit, "
+                    "with its code files and a model card.",
     )
     parser.add_argument("folder", help="folder written by the converter or by save_pretrained")
     parser.add_argument("repo_id", help="target repository, 'namespace/name' (created if missing)")
-    parser.add_argument("--private", action="store_true", help="create the repository private (an existing one keeps its visibility)")
+    parser.add_argument("--private", action="store_true",
+                        help="create the repository private (an existing one keeps its visibility)")
     parser.add_argument("--revision", help="branch to commit to (created from main if missing); default main")
     parser.add_argument("--commit-message", help=f"default: {DEFAULT_COMMIT_MESSAGE!r}")
-    parser.add_argument("--create-pr", action="store_true", help="open a pull request instead of committing to the branch")
+    parser.add_argument("--create-pr", action="store_true",
+                        help="open a pull request instead of committing to the branch")
     parser.add_argument("--token", help="Hub token; default: HF_TOKEN, then the `hf auth login` cache")
     parser.add_argument("--stats", help="JSON file of measured attention statistics for the model card "
                                         "(default: DIR/attention_stats.json if present)")

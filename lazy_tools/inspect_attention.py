@@ -372,7 +372,8 @@ def _parser() -> argparse.ArgumentParser:
                         "sequence (default: %(default)s)")
     parser.add_argument("--map-tokens", type=positive_int, default=64,
                         help="tokens shown in attention maps (default: %(default)s)")
-    parser.add_argument("--map-layers", help="comma-separated layers for the attention maps (default: first, middle, last)")
+    parser.add_argument("--map-layers",
+                        help="comma-separated layers for the attention maps (default: first, middle, last)")
     parser.add_argument("--device", default="auto", type=device_argument,
                         help="auto (CUDA if available), cpu, cuda, cuda:1, ...")
     parser.add_argument("--dtype", default="float32", choices=list(DTYPES), help="weights dtype (default: %(default)s)")

@@ -14,7 +14,8 @@ def synthetic_documents(count: int, seed: int) -> list[str]:
     rng = random.Random(seed)
     docs = []
     for _ in range(count):
-        sentences = [f"{rng.choice(SUBJECTS)} {rng.choice(VERBS)} {rng.choice(OBJECTS)}." for _ in range(rng.randint(1, 6))]
+        sentences = [f"{rng.choice(SUBJECTS)} {rng.choice(VERBS)} {rng.choice(OBJECTS)}."
+                     for _ in range(rng.randint(1, 6))]
         docs.append(" ".join(sentences))
     return docs
 

@@ -170,7 +170,9 @@ class FakeHub:
         return user
 
 
-_REPO_API = re.compile(r"^/api/models/([^/]+/[^/]+)(?:/(revision|preupload|commit|branch|tree|paths-info)/([^/]+)(/.*)?)?$")
+_REPO_API = re.compile(
+    r"^/api/models/([^/]+/[^/]+)(?:/(revision|preupload|commit|branch|tree|paths-info)/([^/]+)(/.*)?)?$"
+)
 _RESOLVE = re.compile(r"^/([^/]+/[^/]+)/resolve/([^/]+)/(.+)$")
 
 
@@ -215,7 +217,8 @@ class _Handler(BaseHTTPRequestHandler):
     def _send(self, status: int, payload, headers: dict | None = None, head: bool = False) -> int:
         data = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
         self.send_response(status)
-        self.send_header("Content-Type", "application/octet-stream" if isinstance(payload, bytes) else "application/json")
+        self.send_header("Content-Type",
+                         "application/octet-stream" if isinstance(payload, bytes) else "application/json")
         self.send_header("Content-Length", str(len(data)))
         for key, value in (headers or {}).items():
             self.send_header(key, value)
@@ -269,7 +272,8 @@ class _Handler(BaseHTTPRequestHandler):
                 return self._send(409, {"error": "You already created this model repo", "url": f"{hub.url}/{repo_id}"},
                                   {"X-Error-Message": "You already created this model repo"})
             repo = Repo(repo_id, private=payload.get("visibility") == "private")
-            initial = repo.commit(None, "initial commit", {".gitattributes": b"*.safetensors filter=lfs diff=lfs merge=lfs -text\n"})
+            initial = repo.commit(None, "initial commit",
+                                  {".gitattributes": b"*.safetensors filter=lfs diff=lfs merge=lfs -text\n"})
             repo.refs["main"] = initial.sha
             hub.repos[repo_id] = repo
         return self._send(200, {"url": f"{hub.url}/{repo_id}", "name": repo_id})

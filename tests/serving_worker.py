@@ -3,8 +3,9 @@
     python tests/serving_worker.py REQUEST.json
 
 REQUEST.json: {"model": dir, "engine": {LLM keyword arguments}, "runs": [{"prompts": [[token ids], ...],
-"max_tokens": n, "tau": optional float set on every head before the run (the prefix cache is reset then)}, ...]}. Each run submits all
-its prompts together (greedy). Prints one line `RESULT {"runs": [[{"tokens": [...], "cached": n}, ...]]}`.
+"max_tokens": n, "tau": optional float set on every head before the run (the prefix cache is reset then)}, ...]}.
+Each run submits all its prompts together (greedy).
+Prints one line `RESULT {"runs": [[{"tokens": [...], "cached": n}, ...]]}`.
 The engine runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0) so that a run can change tau in place.
 """
 

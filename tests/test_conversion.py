@@ -124,7 +124,8 @@ def test_pytorch_bin_input_and_lazy_settings(tmp_path):
 
 def _permute_for_gguf(weight: np.ndarray, heads: int) -> np.ndarray:
     """llama.cpp stores q/k rows interleaved per head (what transformers undoes when reading)."""
-    return weight.reshape(heads, 2, weight.shape[0] // heads // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+    return (weight.reshape(heads, 2, weight.shape[0] // heads // 2, *weight.shape[1:])
+            .swapaxes(1, 2).reshape(weight.shape))
 
 
 def write_tiny_gguf(path: Path, model: LlamaForCausalLM) -> None:
@@ -146,7 +147,8 @@ def write_tiny_gguf(path: Path, model: LlamaForCausalLM) -> None:
     names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
              "lm_head.weight": "output.weight"}
     per_layer = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
-                 "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "post_attention_layernorm": "ffn_norm",
+                 "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+                 "post_attention_layernorm": "ffn_norm",
                  "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
     for layer in range(cfg.num_hidden_layers):
         for hf, gg in per_layer.items():

@@ -128,7 +128,8 @@ def published(hub, checkpoint, tmp_path_factory):
     before = _digest(folder)
     home = tmp_path_factory.mktemp("cli-home")
     cli = subprocess.run(
-        [sys.executable, "-m", "conversion.push_to_hub", str(folder), "alice/tiny-cli", "--commit-message", "First upload"],
+        [sys.executable, "-m", "conversion.push_to_hub", str(folder), "alice/tiny-cli",
+         "--commit-message", "First upload"],
         cwd=PROJECT_ROOT, env=_subprocess_env(hub, home), capture_output=True, text=True, timeout=300,
     )
     assert cli.returncode == 0, cli.stderr
@@ -159,7 +160,8 @@ def test_cli_prints_url_and_uploads_a_complete_repo(hub, checkpoint, published):
         "/api/models/alice/tiny-cli/commit/main"]
     card = files["README.md"].decode()
     front_matter = card.split("---")[1]
-    for expected in ("library_name: transformers", "pipeline_tag: text-generation", "- lazy-attention", "- custom_code"):
+    for expected in ("library_name: transformers", "pipeline_tag: text-generation", "- lazy-attention",
+                     "- custom_code"):
         assert expected in front_matter
     assert 'from_pretrained("alice/tiny-cli", trust_remote_code=True)' in card
     assert "import modeling_lazy" in card
@@ -274,7 +276,8 @@ def test_token_from_flag_and_login_cache(hub, checkpoint, tmp_path, monkeypatch)
     assert main([str(checkpoint[0]), "alice/token-flag", "--token", WRITER]) == 0
     (tmp_path / "token").write_text(WRITER)  # what `hf auth login` writes
     assert main([str(checkpoint[0]), "alice/token-cache"]) == 0
-    assert "config.json" in hub.repos["alice/token-flag"].files() and "config.json" in hub.repos["alice/token-cache"].files()
+    assert ("config.json" in hub.repos["alice/token-flag"].files()
+            and "config.json" in hub.repos["alice/token-cache"].files())
 
 
 def test_401_on_create_then_rerun(client, checkpoint):

@@ -89,7 +89,8 @@ def test_random_lazy_llama_mixed_batches_chunked_prefill_and_prefix_cache(tmp_pa
 
     for run, prompts in zip(runs, (first, later)):
         for got, prompt in zip(run, prompts):
-            assert got["tokens"] == greedy(model, prompt, new_tokens), f"prompt of {len(prompt)} tokens, seed {rng_seed}"
+            assert got["tokens"] == greedy(model, prompt, new_tokens), (
+                f"prompt of {len(prompt)} tokens, seed {rng_seed}")
     assert runs[1][0]["cached"] >= 64, "the later request did not reuse the shared prefix from the cache"
 
     # The comparison can tell Lazy Attention from softmax attention: with tau = 0 and no bias the

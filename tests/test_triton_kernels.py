@@ -324,7 +324,8 @@ def interpreter_results(tmp_path_factory):
     child = subprocess.run([sys.executable, str(Path(__file__).resolve()), str(results_file)], cwd=ROOT, env=env,
                            capture_output=True, text=True, timeout=CHILD_TIMEOUT_S)
     if not results_file.exists():
-        pytest.fail(f"interpreter child failed (rc={child.returncode}):\n{child.stdout[-4000:]}\n{child.stderr[-4000:]}")
+        pytest.fail(f"interpreter child failed (rc={child.returncode}):\n"
+                    f"{child.stdout[-4000:]}\n{child.stderr[-4000:]}")
     return json.loads(results_file.read_text())
 
 
