@@ -40,7 +40,7 @@ from lazy_tools.metrics import (
 from lazy_tools.replicate import code_version
 from modeling_lazy import lazy_attention_modules
 
-ARMS = ("lazy_only", "bias_only", "tau_only", "vanilla_norms")
+ARMS = ("lazy_only", "vanilla_norms", "bias_only", "tau_only")
 
 
 def trainable(model, arm: str) -> list[torch.nn.Parameter]:
@@ -129,7 +129,7 @@ def parse_args(argv=None):
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path("runs/lazify"))
     parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=ARMS)
-    parser.add_argument("--tau-sweep", type=float, nargs="*", default=[0.0, -0.025, -0.05, -0.1])
+    parser.add_argument("--tau-sweep", type=float, nargs="*", default=[0.0, -0.05, -0.1, -0.025])
     parser.add_argument("--steps", type=int, default=24)
     parser.add_argument("--batch-size", type=int, default=2)
     parser.add_argument("--block-size", type=int, default=256)
@@ -176,20 +176,25 @@ def main(argv=None) -> dict:
         documents = [torch.tensor(tokenizer(doc)["input_ids"][: args.eval_tokens]) for doc in brown_documents("test")]
         log(f"{len(documents)} test documents, {sum(d.numel() for d in documents):,} tokens")
 
-        for tau in args.tau_sweep:
-            key = f"{tau:g}"
-            if key in results["tau_sweep"]:
-                continue
-            with torch.no_grad():
-                for attn in lazy_attention_modules(model):
-                    attn.tau.fill_(tau)
-            start = time.time()
-            results["tau_sweep"][key] = {"tau": tau, **evaluate(model, documents, args),
-                                         "eval_seconds": time.time() - start}
-            res = results["tau_sweep"][key]
-            log(f"tau {tau:+.3f} (no training): ppl {res['perplexity']:.4f}, "
-                f"sparsity {res['attention']['sparsity']:.4f} (pooled {res['attention']['sparsity_pooled']:.4f}), {res['eval_seconds']:.0f}s")
-            save()
+        def sweep(taus):
+            for tau in taus:
+                key = f"{tau:g}"
+                if key in results["tau_sweep"]:
+                    continue
+                model.load_state_dict(pristine, strict=False)
+                with torch.no_grad():
+                    for attn in lazy_attention_modules(model):
+                        attn.tau.fill_(tau)
+                start = time.time()
+                results["tau_sweep"][key] = {"tau": tau, **evaluate(model, documents, args),
+                                             "eval_seconds": time.time() - start}
+                res = results["tau_sweep"][key]
+                log(f"tau {tau:+.3f} (no training): ppl {res['perplexity']:.4f}, "
+                    f"sparsity {res['attention']['sparsity']:.4f} (pooled {res['attention']['sparsity_pooled']:.4f})"
+                    f", {res['eval_seconds']:.0f}s")
+                save()
+
+        sweep([tau for tau in args.tau_sweep if tau == 0])  # the converted model itself: every arm's baseline
         model.load_state_dict(pristine, strict=False)
 
         blocks = train_blocks(tokenizer, args)
@@ -208,6 +213,7 @@ def main(argv=None) -> dict:
             log(f"{arm}: ppl {ev['perplexity']:.4f}, sparsity {ev['attention']['sparsity']:.4f} "
                 f"(pooled {ev['attention']['sparsity_pooled']:.4f}), train {run['train_seconds']:.0f}s")
             save()
+        sweep([tau for tau in args.tau_sweep if tau != 0])  # after the arms (they are the comparison asked for)
         results["finished"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
         save()
     return results

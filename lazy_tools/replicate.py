@@ -519,6 +519,8 @@ def parse_args(argv=None):
                         help="run a grid of configurations (one process each, results under --out/CELL/seedS)")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0], help="seeds of a --grid")
     parser.add_argument("--jobs", type=int, default=1, help="grid cells run at once")
+    parser.add_argument("--order", choices=("seed", "cell"), default="seed",
+                        help="grid order: all cells of one seed first, or all seeds of one cell first")
     parser.add_argument("--nice", type=int, default=19, help="niceness of a grid's processes")
     parser.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)  # set by the grid itself
     args = parser.parse_args(argv)
@@ -527,7 +529,11 @@ def parse_args(argv=None):
 
 
 def grid_cells(args) -> list[tuple[str, int, list[str]]]:
-    """`(cell, seed, extra arguments)` in run order: every cell of seed 0, then of seed 1, ..."""
+    """`(cell, seed, extra arguments)` in run order: `--order seed` runs every cell of seed 0, then of seed 1, ...;
+    `--order cell` runs every seed of the first cell, then of the second, ... (when time may run out, the first
+    cells then have all their seeds)."""
+    if getattr(args, "order", "seed") == "cell":
+        return [(cell, seed, extra) for cell, extra in GRIDS[args.grid] for seed in args.seeds]
     return [(cell, seed, extra) for seed in args.seeds for cell, extra in GRIDS[args.grid]]
 
 
@@ -536,7 +542,8 @@ def run_grid(args, argv: list[str]) -> list[str]:
     `finished`. `--jobs` worker processes (niced) each run every `jobs`-th cell one after another in-process
     (one interpreter start and one corpus load per worker, not per cell); their output goes to
     `--out/worker-K.txt`."""
-    drop = {"--grid": 1, "--seeds": len(args.seeds), "--jobs": 1, "--out": 1, "--nice": 1, "--worker": 1}
+    drop = {"--grid": 1, "--seeds": len(args.seeds), "--jobs": 1, "--out": 1, "--nice": 1, "--worker": 1,
+            "--order": 1}
     passed, skip = [], 0
     for item in argv:
         if skip:
@@ -561,7 +568,7 @@ def run_grid(args, argv: list[str]) -> list[str]:
     for worker in range(args.jobs):
         command = ["nice", "-n", str(args.nice), sys.executable, "-m", "lazy_tools.replicate", *passed,
                    "--grid", args.grid, "--seeds", *map(str, args.seeds), "--jobs", str(args.jobs),
-                   "--out", str(args.out), "--worker", str(worker)]
+                   "--out", str(args.out), "--worker", str(worker), "--order", args.order]
         handle = open(args.out / f"worker-{worker}.txt", "a", encoding="utf-8")  # noqa: SIM115 (closed below)
         workers.append((subprocess.Popen(command, stdout=handle, stderr=subprocess.STDOUT), handle))
     for process, handle in workers:

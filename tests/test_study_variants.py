@@ -175,3 +175,5 @@ def test_grid_cells_run_seed_by_seed():
     assert len(cells) == 2 * len(replicate.GRIDS["controls"])
     assert [c[1] for c in cells[: len(replicate.GRIDS["controls"])]] == [0] * len(replicate.GRIDS["controls"])
     assert all(set(c[2][1:2]) <= set(replicate.VARIANTS) for c in cells)
+    by_cell = replicate.grid_cells(argparse.Namespace(grid="controls", seeds=[0, 1], order="cell"))
+    assert [c[:2] for c in by_cell[:3]] == [("vanilla", 0), ("vanilla", 1), ("lazy", 0)]
