@@ -74,11 +74,12 @@ PAPER_VARIANTS = ("vanilla", "lazy", "bias_only", "tau_only")  # the default set
 # Grids: (cell name, extra arguments) run for every seed; the grid command's own arguments (--steps ...) come first,
 # so a cell's arguments override them. Cells run in the order listed, seed by seed (seed 0 of every cell first).
 CONTROL_CELLS = [(v, ["--variants", v]) for v in
-                 ("vanilla", "lazy", "scale0.3", "norelu", "small_oinit", "gain", "scale0.1", "bias_only", "tau_only")]
+                 ("vanilla", "lazy", "norelu", "scale0.3", "small_oinit", "gain", "scale0.1", "bias_only", "tau_only")]
 SIZE_64 = ["--hidden-size", "64", "--intermediate-size", "192", "--layers", "2"]
 SIZE_256 = ["--hidden-size", "256", "--intermediate-size", "768", "--layers", "4"]
 GRIDS = {
     "controls": CONTROL_CELLS,
+    "controls-core": CONTROL_CELLS[:5],  # the controls that decide what the zeros contribute, when CPU is short
     "sweeps": [
         ("size64-vanilla", ["--variants", "vanilla", *SIZE_64]),
         ("size64-lazy", ["--variants", "lazy", *SIZE_64]),
