@@ -115,8 +115,8 @@ def markdown(summary: dict, reference: str, lazy: str) -> str:
     for cell, entry in summary.items():
         f = entry["figures"]
         lines.append(f"| {cell} | {fmt(f.get('sparsity'))} | {fmt(f.get('sparsity_pooled'))} "
-                     f"| {fmt(f.get('surviving_mass'))} | {fmt(f.get('removed_mass'))} | {fmt(f.get('sink'), digits=4)} "
-                     f"| {fmt(f.get('sink_share'), digits=4)} | {fmt(f.get('init_sparsity'))} "
+                     f"| {fmt(f.get('surviving_mass'))} | {fmt(f.get('removed_mass'))} "
+                     f"| {fmt(f.get('sink'), digits=4)} | {fmt(f.get('sink_share'), digits=4)} | {fmt(f.get('init_sparsity'))} "
                      f"| {fmt(f.get('init_surviving_mass'))} | {fmt(f.get('tau_mean'))} |")
     extra = [c for c, e in summary.items() if "sparsity@4x" in e["figures"]]
     if extra:
@@ -143,12 +143,34 @@ def markdown(summary: dict, reference: str, lazy: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def bias_tail(results_file: Path, start: int, stop: int, threshold: float = 0.05) -> dict:
+    """Per run of a `results.json`: how many learned distance-bias entries at distances `start..stop-1` (all
+    layers and heads) exceed `threshold` in magnitude, and their extremes."""
+    data = json.loads(Path(results_file).read_text())
+    out = {}
+    for name, run in data["runs"].items():
+        bias = run.get("learned", {}).get("distance_bias")
+        if not bias:
+            continue
+        values = [x for layer in bias for head in layer for x in head[start:stop]]
+        out[name] = {"distances": [start, stop - 1], "entries": len(values),
+                     "beyond_threshold": sum(abs(x) > threshold for x in values), "threshold": threshold,
+                     "positive_beyond": sum(x > threshold for x in values), "min": min(values), "max": max(values)}
+    return out
+
+
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("folder", type=Path)
+    parser.add_argument("folder", type=Path, help="a grid folder, or with --bias-tail a results.json")
+    parser.add_argument("--bias-tail", type=int, nargs=2, metavar=("START", "STOP"), default=None,
+                        help="report learned distance-bias entries at distances START..STOP-1 of a results.json")
     parser.add_argument("--reference", default="vanilla")
     parser.add_argument("--lazy", default="lazy")
     args = parser.parse_args(argv)
+    if args.bias_tail:
+        report = bias_tail(args.folder, *args.bias_tail)
+        print(json.dumps(report, indent=1))
+        return report
     summary = summarise(load_grid(args.folder), args.reference, args.lazy)
     (args.folder / "summary.json").write_text(json.dumps(summary, indent=1))
     table = markdown(summary, args.reference, args.lazy)
