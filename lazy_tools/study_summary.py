@@ -116,7 +116,8 @@ def markdown(summary: dict, reference: str, lazy: str) -> str:
         f = entry["figures"]
         lines.append(f"| {cell} | {fmt(f.get('sparsity'))} | {fmt(f.get('sparsity_pooled'))} "
                      f"| {fmt(f.get('surviving_mass'))} | {fmt(f.get('removed_mass'))} "
-                     f"| {fmt(f.get('sink'), digits=4)} | {fmt(f.get('sink_share'), digits=4)} | {fmt(f.get('init_sparsity'))} "
+                     f"| {fmt(f.get('sink'), digits=4)} | {fmt(f.get('sink_share'), digits=4)} "
+                     f"| {fmt(f.get('init_sparsity'))} "
                      f"| {fmt(f.get('init_surviving_mass'))} | {fmt(f.get('tau_mean'))} |")
     extra = [c for c, e in summary.items() if "sparsity@4x" in e["figures"]]
     if extra:
