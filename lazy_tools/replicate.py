@@ -1,4 +1,4 @@
-"""Replication study (SPEC section 5): train vanilla Llama, Lazy Attention and two ablations from scratch on
+"""Replication study: train vanilla Llama, Lazy Attention, ablations and controls from scratch on
 Brown-train with one shared loop, then evaluate all four on Brown-test.
 
     python -m lazy_tools.replicate --out runs/replicate            # the real run (see REPLICATION.md)
