@@ -353,7 +353,8 @@ def code_version() -> dict:
             return ""
 
     dirty = git("status", "--porcelain", "--", "lazy_tools", "modeling_lazy", "configuration_lazy")
-    return {"commit": git("rev-parse", "HEAD") or "unknown", "dirty": bool(dirty)}
+    return {"commit": git("rev-parse", "HEAD") or "unknown", "dirty": bool(dirty),
+            "dirty_files": [line[3:] for line in dirty.splitlines()]}
 
 
 def lazy_parameters(model) -> dict:
