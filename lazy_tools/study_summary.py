@@ -35,6 +35,9 @@ def load_grid(folder: Path) -> dict:
         for key, value in ev.items():
             if key.startswith(("ppl@", "sliding_ppl@")):
                 record[key] = value
+        for factor in ("2x", "4x"):  # how much worse the same text gets with longer windows
+            if f"ppl@{factor}" in ev:
+                record[f"rise@{factor}"] = ev[f"ppl@{factor}"] / ev["ppl@1x"] - 1
         for factor_key in [k for k in ev if k.startswith("attention")]:
             suffix = factor_key.removeprefix("attention")
             for fig in FIGURES:
