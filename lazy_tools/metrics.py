@@ -133,3 +133,40 @@ def perplexity(model, token_ids: torch.Tensor, context: int = 512, stride: int |
             break
     mean = total_nll / total_tokens
     return {"perplexity": math.exp(mean), "nll": mean, "tokens": total_tokens, "context": context, "stride": stride}
+
+
+@torch.no_grad()
+def pooled_attention_statistics(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None):
+    """Figures that pool (query, key) pairs instead of averaging per-row fractions, per layer and head.
+
+    - sparsity_pooled: exact zeros among *all* visible pairs / number of visible pairs (the per-row mean in
+      `attention_statistics` weights a row of 2 keys like a row of 500; this one weights every pair alike);
+    - removed_mass: mean over queries of `1 - sum_j a_ij` (what Elastic-Softmax takes away; 0 for softmax);
+    - sink_share: mean over queries at position > 0 with a positive row sum of `a_i0 / sum_j a_ij` (the first
+      key's share of the *surviving* mass; for softmax it equals the sink);
+    - sink_share_pooled: `sum_i a_i0 / sum_i sum_j a_ij` over the same queries.
+
+    Returns `{"layers": [{key: [H floats]}], "mean": {key: float}}` (mean over layers and heads).
+    """
+    weights, visible, q_pos, k_pos = attention_weights(model, input_ids, attention_mask)
+    rows = visible.sum(-1) > 0  # [B, 1, T]
+    first_key = visible & (k_pos == 0)[:, None, None, :]
+    sink_rows = rows & (q_pos > 0)[:, None, :]
+    layers = []
+    for w in weights:
+        pairs = visible.expand_as(w)
+        zeros = ((w == 0) & pairs).sum(dim=(0, 2, 3)).float()
+        mass = (w * visible).sum(-1)  # [B, H, T]
+        sink_w = (w * first_key).sum(-1)
+        share_rows = sink_rows & (mass > 0)
+        share = torch.where(share_rows, sink_w / mass.clamp(min=1e-30), torch.zeros_like(mass))
+        layers.append({
+            "sparsity_pooled": (zeros / pairs.sum(dim=(0, 2, 3)).clamp(min=1)).tolist(),
+            "removed_mass": (((1 - mass) * rows).sum(dim=(0, 2)) / rows.sum(dim=(0, 2)).clamp(min=1)).tolist(),
+            "sink_share": (share.sum(dim=(0, 2)) / share_rows.sum(dim=(0, 2)).clamp(min=1)).tolist(),
+            "sink_share_pooled": ((sink_w * sink_rows).sum(dim=(0, 2))
+                                  / (mass * sink_rows).sum(dim=(0, 2)).clamp(min=1e-30)).tolist(),
+        })
+    keys = ("sparsity_pooled", "removed_mass", "sink_share", "sink_share_pooled")
+    mean = {k: sum(sum(layer[k]) / len(layer[k]) for layer in layers) / len(layers) for k in keys}
+    return {"layers": layers, "mean": mean}

@@ -1,15 +1,16 @@
-"""Replication study (REPLICATION.md; the paper's claims: docs/design.md): train vanilla Llama, Lazy Attention
-and two ablations from scratch on Brown-train with one shared loop, then evaluate all four on Brown-test.
+"""Replication study: train vanilla Llama, Lazy Attention, ablations and controls from scratch on
+Brown-train with one shared loop, then evaluate all four on Brown-test.
 
     python -m lazy_tools.replicate --out runs/replicate            # the real run (see REPLICATION.md)
     python -m lazy_tools.replicate --steps 8 --hidden-size 32 ...  # a smoke run (tests/test_replicate_smoke.py)
 
-Variants (identical Llama weights at step 0, same data order, steps, optimizer and learning rate):
+Variants (identical Llama weights at step 0, same data order, steps, optimizer and learning rate): see
+`VARIANTS` below. The controls change the attention only through wrappers and hooks defined here
+(`modeling_lazy` is untouched); `tests/test_study_variants.py` checks that each does what its name says.
 
-- `vanilla`:   `LlamaForCausalLM`, `attn_implementation="sdpa"`.
-- `lazy`:      `LazyLlamaForCausalLM`, the paper's init: tau = -1, distance_bias ~ N(0, 1e-3), both learned.
-- `bias_only`: tau = 0 and frozen (plain softmax), distance_bias learned.
-- `tau_only`:  distance_bias = 0 and frozen (plain RoPE scores), tau learned from -1.
+A grid (`--grid controls|sweeps|extrapolation`, `--seeds`, `--jobs`) runs many configurations as separate
+processes, one folder each under `--out`, skipping those already finished; `lazy_tools.study_summary` then
+pools them into mean +- std tables and paired differences.
 
 Data choices (why):
 - Tokens are UTF-8 bytes (vocabulary 256, tied embeddings). SmolLM2's 49152-token vocabulary would make the
@@ -29,16 +30,25 @@ Writes under `--out`: `results.json` (config, losses, evaluation, per-layer stat
 """
 
 import argparse
+import functools
 import json
 import math
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
+from transformers.modeling_utils import AttentionInterface
 
 from lazy_tools.data import brown_documents, pack_token_blocks
-from lazy_tools.metrics import attention_statistics, attention_weights, perplexity
+from lazy_tools.metrics import (
+    attention_statistics,
+    attention_weights,
+    perplexity,
+    pooled_attention_statistics,
+)
 from modeling_lazy import (
     LAZY_PARAMETER_NAMES,
     LazyLlamaConfig,
@@ -46,10 +56,67 @@ from modeling_lazy import (
     is_lazy_parameter,
     lazy_attention_modules,
 )
+from modeling_lazy.lazy_attention_reference import (
+    compute_dtype,
+    distance_bias_scores,
+    lazy_visibility,
+)
 
-VARIANTS = ("vanilla", "lazy", "bias_only", "tau_only")
+VARIANTS = {
+    "vanilla": "LlamaForCausalLM, sdpa attention",
+    "lazy": "LazyLlama, the paper's init: tau = --tau-init (-1), distance_bias ~ N(0, 1e-3), both learned",
+    "bias_only": "LazyLlama with tau = 0 frozen (plain softmax); distance_bias learned",
+    "tau_only": "LazyLlama with distance_bias = 0 frozen; tau learned from --tau-init",
+    "norelu": "Elastic-Softmax without the ReLU: a = p + tau/n (no exact zeros); tau, distance_bias as lazy",
+    "scale0.1": "vanilla whose attention output (after o_proj) is multiplied by a fixed 0.1",
+    "scale0.3": "vanilla whose attention output (after o_proj) is multiplied by a fixed 0.3",
+    "scale1": "vanilla through the same scaling hook with 1.0 (identical to vanilla; a check of the hook)",
+    "gain": "vanilla with a learnable per-head gain on each head's output (before o_proj), init --gain-init",
+    "small_oinit": "vanilla with o_proj initialised x0.02 (the attention output starts near zero)",
+}
+LAZY_VARIANTS = ("lazy", "bias_only", "tau_only", "norelu")
+PAPER_VARIANTS = ("vanilla", "lazy", "bias_only", "tau_only")  # the default set of one plain run
+
+# Grids: (cell name, extra arguments) run for every seed; the grid command's own arguments (--steps ...) come first,
+# so a cell's arguments override them. Cells run in the order listed, seed by seed (seed 0 of every cell first).
+CONTROL_CELLS = [(v, ["--variants", v]) for v in
+                 ("vanilla", "lazy", "norelu", "scale0.3", "small_oinit", "gain", "scale0.1", "bias_only", "tau_only")]
+SIZE_64 = ["--hidden-size", "64", "--intermediate-size", "192", "--layers", "2"]
+SIZE_256 = ["--hidden-size", "256", "--intermediate-size", "768", "--layers", "4"]
+GRIDS = {
+    "controls": CONTROL_CELLS,
+    "controls-core": CONTROL_CELLS[:5],  # the controls that decide what the zeros contribute, when CPU is short
+    "sweeps": [
+        ("size64-vanilla", ["--variants", "vanilla", *SIZE_64]),
+        ("size64-lazy", ["--variants", "lazy", *SIZE_64]),
+        ("tau0-lazy", ["--variants", "lazy", "--tau-init", "0"]),
+        ("tau-0.25-lazy", ["--variants", "lazy", "--tau-init", "-0.25"]),
+        ("tau-0.5-lazy", ["--variants", "lazy", "--tau-init", "-0.5"]),
+        ("lr1e-3-vanilla", ["--variants", "vanilla", "--lr", "1e-3"]),
+        ("lr1e-3-lazy", ["--variants", "lazy", "--lr", "1e-3"]),
+        ("lr4e-3-vanilla", ["--variants", "vanilla", "--lr", "4e-3"]),
+        ("lr4e-3-lazy", ["--variants", "lazy", "--lr", "4e-3"]),
+        ("size256-vanilla", ["--variants", "vanilla", *SIZE_256]),
+        ("size256-lazy", ["--variants", "lazy", *SIZE_256]),
+        ("long-vanilla", ["--variants", "vanilla", "--steps-factor", "2"]),
+        ("long-lazy", ["--variants", "lazy", "--steps-factor", "2"]),
+    ],
+    "extrapolation": [
+        (f"ctx{ctx}-{name}", ["--variants", variant, "--context", str(ctx), "--eval-span", "8", "--sliding", "2",
+                              "--eval-docs", "25", *extra])
+        for ctx in (128, 64, 256)
+        for name, variant, extra in (("vanilla", "vanilla", []), ("lazy-w512", "lazy", ["--bias-window", "512"]),
+                                     ("bias_only-w512", "bias_only", ["--bias-window", "512"]))
+    ],
+}
 VOCAB = 256  # UTF-8 bytes
 EXTRAPOLATION = (1, 2, 4)  # evaluation windows, in multiples of the training length
+
+
+@functools.cache
+def corpus(split: str) -> tuple[str, ...]:
+    """The Brown documents of a split, read once per process (a grid worker runs many cells)."""
+    return tuple(brown_documents(split))
 
 
 def byte_tokens(text: str) -> list[int]:
@@ -64,29 +131,103 @@ def document_blocks(documents: list[str], block_size: int) -> torch.Tensor:
 
 def llama_kwargs(args) -> dict:
     """The Llama fields shared by all four variants."""
-    return dict(
-        vocab_size=VOCAB,
-        hidden_size=args.hidden_size,
-        intermediate_size=args.intermediate_size,
-        num_hidden_layers=args.layers,
-        num_attention_heads=args.heads,
-        num_key_value_heads=args.heads,
-        max_position_embeddings=max(EXTRAPOLATION) * args.context,  # the model refuses longer inputs otherwise
-        tie_word_embeddings=True,
-        bos_token_id=None,
-        eos_token_id=None,
-        pad_token_id=None,
-    )
+    return {
+        "vocab_size": VOCAB,
+        "hidden_size": args.hidden_size,
+        "intermediate_size": args.intermediate_size,
+        "num_hidden_layers": args.layers,
+        "num_attention_heads": args.heads,
+        "num_key_value_heads": args.heads,
+        "max_position_embeddings": max(EXTRAPOLATION) * args.context,  # the model refuses longer inputs otherwise
+        "tie_word_embeddings": True,
+        "bos_token_id": None,
+        "eos_token_id": None,
+        "pad_token_id": None,
+    }
+
+
+NORELU_IMPLEMENTATION = "study_lazy_norelu"
+
+
+def norelu_attention(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
+    """Elastic-Softmax *without* the ReLU: `a_ij = p_ij + tau_h / n_i` on visible pairs (0 elsewhere), the same
+    scores and distance bias as Lazy Attention. Always returns the weights (the study's models are small)."""
+    metadata = kwargs["lazy_metadata"]
+    groups = query.shape[1] // key.shape[1]
+    dtype = compute_dtype(query)
+    k_len = metadata.key_length
+    k = key[:, :, :k_len].to(dtype).repeat_interleave(groups, dim=1)
+    v = value[:, :, :k_len].to(dtype).repeat_interleave(groups, dim=1)
+    visible = lazy_visibility(metadata)
+    scores = torch.matmul(query.to(dtype), k.transpose(2, 3)) * scaling
+    scores = scores + distance_bias_scores(module.distance_bias, metadata.q_pos, metadata.k_pos, dtype)
+    probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1).nan_to_num(0.0)
+    n = (metadata.q_pos + 1).to(dtype)[:, None, :, None]
+    weights = (probs + module.tau.to(dtype)[None, :, None, None] / n) * visible
+    out = torch.matmul(weights, v).to(query.dtype)
+    return out.transpose(1, 2).contiguous(), weights
+
+
+AttentionInterface.register(NORELU_IMPLEMENTATION, norelu_attention)
+
+
+class RoutedConfig:
+    """A view of a model config that names another attention implementation: given to one attention module
+    (`module.config`), it routes that module to `implementation` whatever the model is switched to (the
+    statistics switch models to "eager" to read weights; the no-ReLU weights must still be the no-ReLU ones)."""
+
+    def __init__(self, config, implementation: str):
+        self._config = config
+        self._attn_implementation = implementation
+
+    def __getattr__(self, name):
+        return getattr(self._config, name)
+
+
+def attention_layers(model):
+    return getattr(model, "model", model).layers
+
+
+def add_output_scale(model, scale: float):
+    """Multiply every attention block's output (the o_proj output, before the residual add) by `scale`."""
+    for layer in attention_layers(model):
+        layer.self_attn.o_proj.register_forward_hook(lambda module, inputs, output: output * scale)
+
+
+def add_head_gain(model, init: float):
+    """A learnable gain per head (`self_attn.head_gain [H]`) multiplying each head's output before o_proj."""
+    for layer in attention_layers(model):
+        attn = layer.self_attn
+        heads = attn.config.num_attention_heads
+        attn.head_gain = torch.nn.Parameter(torch.full((heads,), float(init)))
+
+        def scale_heads(module, inputs, attn=attn):
+            (x,) = inputs
+            shaped = x.view(*x.shape[:-1], attn.head_gain.numel(), -1) * attn.head_gain.to(x.dtype)[:, None]
+            return (shaped.view_as(x),)
+
+        attn.o_proj.register_forward_pre_hook(scale_heads)
 
 
 def build_model(variant: str, args):
-    """The model of one variant. All four start from the same Llama weights (same seed), the lazy ones add
-    `tau` and `distance_bias` initialised and frozen as the variant says."""
+    """The model of one variant. All start from the same Llama weights (same seed); the lazy ones add
+    `tau` and `distance_bias` initialised and frozen as the variant says, the vanilla controls add a hook."""
+    if variant not in VARIANTS:
+        raise ValueError(f"unknown variant {variant!r}; choose from {list(VARIANTS)}")
     torch.manual_seed(args.seed)
     vanilla = LlamaForCausalLM(LlamaConfig(**llama_kwargs(args), attn_implementation="sdpa"))
-    if variant == "vanilla":
+    if variant not in LAZY_VARIANTS:
+        if variant.startswith("scale"):
+            add_output_scale(vanilla, float(variant.removeprefix("scale")))
+        elif variant == "gain":
+            add_head_gain(vanilla, args.gain_init)
+        elif variant == "small_oinit":
+            with torch.no_grad():
+                for layer in attention_layers(vanilla):
+                    layer.self_attn.o_proj.weight.mul_(args.small_oinit)
         return vanilla
-    config = LazyLlamaConfig(**llama_kwargs(args), lazy_bias_window=args.context)
+    config = LazyLlamaConfig(**llama_kwargs(args), lazy_bias_window=args.bias_window or args.context,
+                             lazy_tau_init=args.tau_init)
     torch.manual_seed(args.seed + 1)  # tau / distance_bias init, identical for the three lazy variants
     model = LazyLlamaForCausalLM(config)
     missing, unexpected = model.load_state_dict(vanilla.state_dict(), strict=False)
@@ -100,18 +241,19 @@ def build_model(variant: str, args):
             elif variant == "tau_only":
                 attn.distance_bias.zero_()
                 attn.distance_bias.requires_grad_(False)
-            elif variant != "lazy":
-                raise ValueError(f"unknown variant {variant!r}; choose from {VARIANTS}")
+            if variant == "norelu":
+                attn.config = RoutedConfig(model.config, NORELU_IMPLEMENTATION)
     return model
 
 
 def optimizer(model, args) -> torch.optim.AdamW:
-    """AdamW; weight decay on weight matrices only, never on norms, tau or distance_bias (docs/design.md)."""
+    """AdamW; weight decay on weight matrices only, never on norms, tau, distance_bias or head gains."""
     decay, no_decay = [], []
     for name, param in model.named_parameters():
         if not param.requires_grad:
             continue
-        (decay if param.dim() >= 2 and not is_lazy_parameter(name) else no_decay).append(param)
+        lazy_extra = is_lazy_parameter(name) or name.endswith("self_attn.head_gain")
+        (decay if param.dim() >= 2 and not lazy_extra else no_decay).append(param)
     groups = [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     return torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95))
 
@@ -159,25 +301,65 @@ def train(model, blocks: torch.Tensor, args, log) -> dict:
     return {"losses": losses, "train_seconds": time.time() - start}
 
 
+def eval_segments(test_documents: list[str], args) -> list[torch.Tensor]:
+    span = args.eval_span * args.context
+    return [torch.tensor(byte_tokens(doc)[:span]) for doc in test_documents if len(doc.encode()) >= span]
+
+
+@torch.no_grad()
+def attention_figures(model, blocks: torch.Tensor) -> dict:
+    """`attention_statistics` plus the pooled figures (`pooled_attention_statistics`) of the same blocks."""
+    stats = attention_statistics(model, blocks)
+    pooled = pooled_attention_statistics(model, blocks)
+    for layer, extra in zip(stats["layers"], pooled["layers"]):
+        layer.update(extra)
+    stats["mean"].update(pooled["mean"])
+    return stats
+
+
 @torch.no_grad()
 def evaluate(model, test_documents: list[str], args) -> dict:
-    """Perplexity at 1x, 2x, 4x the training length on the same text, and attention statistics."""
+    """Perplexity at 1x, 2x, 4x the training length on the same text (non-overlapping windows, and with
+    `--sliding k` also windows every 1/k window), and attention statistics at 1x (and, with
+    `--stats-factors`, at longer lengths on fewer blocks)."""
     model.eval()
-    span = max(EXTRAPOLATION) * args.context
-    segments = [torch.tensor(byte_tokens(doc)[:span]) for doc in test_documents if len(doc.encode()) >= span]
+    segments = eval_segments(test_documents, args)
     result = {"eval_documents": len(segments)}
-    for factor in EXTRAPOLATION:
-        nll, tokens = 0.0, 0
-        for segment in segments:
-            scored = perplexity(model, segment, context=factor * args.context)
-            nll += scored["nll"] * scored["tokens"]
-            tokens += scored["tokens"]
-        result[f"ppl@{factor}x"] = math.exp(nll / tokens)
-        result[f"bits_per_byte@{factor}x"] = nll / tokens / math.log(2)
-        result[f"tokens@{factor}x"] = tokens
-    stats_blocks = torch.stack([segment[: args.context] for segment in segments[: args.stats_blocks]])
-    result["attention"] = attention_statistics(model, stats_blocks)
+    strides = {"": None}
+    if args.sliding:
+        strides["sliding_"] = args.sliding
+    for prefix, divisor in strides.items():
+        for factor in EXTRAPOLATION:
+            window = factor * args.context
+            nll, tokens = 0.0, 0
+            for segment in segments:
+                scored = perplexity(model, segment, context=window, stride=window // divisor if divisor else None)
+                nll += scored["nll"] * scored["tokens"]
+                tokens += scored["tokens"]
+            result[f"{prefix}ppl@{factor}x"] = math.exp(nll / tokens)
+            result[f"{prefix}bits_per_byte@{factor}x"] = nll / tokens / math.log(2)
+            result[f"{prefix}tokens@{factor}x"] = tokens
+    for factor in args.stats_factors:
+        count = max(1, args.stats_blocks // factor)
+        blocks = torch.stack([segment[: factor * args.context] for segment in segments[:count]])
+        result["attention" if factor == 1 else f"attention@{factor}x"] = attention_figures(model, blocks)
     return result
+
+
+def code_version() -> dict:
+    """The git commit of this checkout and whether the study code differs from it."""
+    root = Path(__file__).resolve().parents[1]
+
+    def git(*cmd):
+        try:
+            done = subprocess.run(["git", *cmd], check=False, cwd=root, capture_output=True, text=True, timeout=30)
+            return done.stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return ""
+
+    dirty = git("status", "--porcelain", "--", "lazy_tools", "modeling_lazy", "configuration_lazy")
+    return {"commit": git("rev-parse", "HEAD") or "unknown", "dirty": bool(dirty),
+            "dirty_files": [line[3:] for line in dirty.splitlines()]}
 
 
 def lazy_parameters(model) -> dict:
@@ -199,14 +381,16 @@ def results_table(results: dict) -> str:
         lines.append(
             f"| {name} | {run['parameters']:,} | {sum(tail) / len(tail):.4f} | {ev['ppl@1x']:.3f} | "
             f"{ev['ppl@2x']:.3f} | {ev['ppl@4x']:.3f} | {mean['sparsity']:.2%} | {mean['tile_density']:.2%} | "
-            f"{mean['sink']:.4f} | {mean['surviving_mass']:.4f} | {mean['tau']:+.3f} | {run['train_seconds'] / 60:.1f} min |"
+            f"{mean['sink']:.4f} | {mean['surviving_mass']:.4f} | {mean['tau']:+.3f} | "
+            f"{run['train_seconds'] / 60:.1f} min |"
         )
     return "\n".join(lines) + "\n"
 
 
 def per_layer_table(results: dict) -> str:
     """Per layer: sparsity / sink / surviving mass / mean tau of each variant."""
-    lines = ["| variant | layer | sparsity | tile density | sink | surviving mass | tau per head |", "|---|---|---|---|---|---|---|"]
+    lines = ["| variant | layer | sparsity | tile density | sink | surviving mass | tau per head |",
+             "|---|---|---|---|---|---|---|"]
     for name, run in results["runs"].items():
         for index, layer in enumerate(run["eval"]["attention"]["layers"]):
             avg = {k: sum(v) / len(v) for k, v in layer.items()}
@@ -274,8 +458,8 @@ def make_plots(results: dict, models: dict, test_documents: list[str], args, out
     fig, axes = plt.subplots(1, 2, figsize=(8, 3))
     for name, run in runs.items():
         layers = run["eval"]["attention"]["layers"]
-        axes[0].plot([sum(l["sink"]) / len(l["sink"]) for l in layers], marker="o", label=name)
-        axes[1].plot([sum(l["sparsity"]) / len(l["sparsity"]) for l in layers], marker="o", label=name)
+        axes[0].plot([sum(layer["sink"]) / len(layer["sink"]) for layer in layers], marker="o", label=name)
+        axes[1].plot([sum(layer["sparsity"]) / len(layer["sparsity"]) for layer in layers], marker="o", label=name)
     axes[0].set_title("sink: mean weight on key 0")
     axes[1].set_title("sparsity: fraction of exact zeros")
     for ax in axes:
@@ -305,8 +489,10 @@ def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path("runs/replicate"), help="output folder")
-    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+    parser.add_argument("--variants", nargs="+", default=list(PAPER_VARIANTS), choices=list(VARIANTS),
+                        help="; ".join(f"{k}: {v}" for k, v in VARIANTS.items()))
     parser.add_argument("--steps", type=int, default=350, help="optimizer steps per variant")
+    parser.add_argument("--steps-factor", type=int, default=1, help="multiply --steps (for a grid's longer cells)")
     parser.add_argument("--batch-size", type=int, default=16, help="blocks per step")
     parser.add_argument("--context", type=int, default=128, help="training length T (bytes); eval at T, 2T, 4T")
     parser.add_argument("--hidden-size", type=int, default=128)
@@ -316,6 +502,16 @@ def parse_args(argv=None):
     parser.add_argument("--lr", type=float, default=2e-3, help="peak learning rate, the same for every variant")
     parser.add_argument("--weight-decay", type=float, default=0.1)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--tau-init", type=float, default=-1.0, help="initial tau of lazy, tau_only, norelu")
+    parser.add_argument("--bias-window", type=int, default=None, help="distance-bias window W (default: --context)")
+    parser.add_argument("--gain-init", type=float, default=1.0, help="initial head gain of the `gain` variant")
+    parser.add_argument("--small-oinit", type=float, default=0.02, help="o_proj init factor of `small_oinit`")
+    parser.add_argument("--eval-span", type=int, default=max(EXTRAPOLATION),
+                        help="bytes of each test document evaluated, in multiples of --context")
+    parser.add_argument("--sliding", type=int, default=0,
+                        help="also evaluate with windows every 1/k window (0: only non-overlapping windows)")
+    parser.add_argument("--stats-factors", type=int, nargs="+", default=list(EXTRAPOLATION),
+                        help="lengths (multiples of --context) at which attention statistics are measured")
     parser.add_argument("--train-docs", type=int, default=None, help="use only the first N Brown-train documents")
     parser.add_argument("--eval-docs", type=int, default=None, help="use only the first N Brown-test documents")
     parser.add_argument("--stats-blocks", type=int, default=16, help="test blocks for the attention statistics")
@@ -323,14 +519,77 @@ def parse_args(argv=None):
                         help="torch.set_num_threads (1: on a shared 2-core machine 2 threads ran 7x slower)")
     parser.add_argument("--log-every", type=int, default=25)
     parser.add_argument("--no-plots", action="store_true")
-    return parser.parse_args(argv)
+    parser.add_argument("--grid", choices=list(GRIDS), default=None,
+                        help="run a grid of configurations (one process each, results under --out/CELL/seedS)")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0], help="seeds of a --grid")
+    parser.add_argument("--jobs", type=int, default=1, help="grid cells run at once")
+    parser.add_argument("--order", choices=("seed", "cell"), default="seed",
+                        help="grid order: all cells of one seed first, or all seeds of one cell first")
+    parser.add_argument("--nice", type=int, default=19, help="niceness of a grid's processes")
+    parser.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)  # set by the grid itself
+    args = parser.parse_args(argv)
+    args.steps *= args.steps_factor
+    return args
+
+
+def grid_cells(args) -> list[tuple[str, int, list[str]]]:
+    """`(cell, seed, extra arguments)` in run order: `--order seed` runs every cell of seed 0, then of seed 1, ...;
+    `--order cell` runs every seed of the first cell, then of the second, ... (when time may run out, the first
+    cells then have all their seeds)."""
+    if getattr(args, "order", "seed") == "cell":
+        return [(cell, seed, extra) for cell, extra in GRIDS[args.grid] for seed in args.seeds]
+    return [(cell, seed, extra) for seed in args.seeds for cell, extra in GRIDS[args.grid]]
+
+
+def run_grid(args, argv: list[str]) -> list[str]:
+    """Run every (cell, seed) of `--grid` under `--out/CELL/seedS`, skipping those whose `results.json` says
+    `finished`. `--jobs` worker processes (niced) each run every `jobs`-th cell one after another in-process
+    (one interpreter start and one corpus load per worker, not per cell); their output goes to
+    `--out/worker-K.txt`."""
+    drop = {"--grid": 1, "--seeds": len(args.seeds), "--jobs": 1, "--out": 1, "--nice": 1, "--worker": 1,
+            "--order": 1}
+    passed, skip = [], 0
+    for item in argv:
+        if skip:
+            skip -= 1
+        elif item in drop:
+            skip = drop[item]
+        else:
+            passed.append(item)
+    cells = grid_cells(args)
+    if args.worker is not None:
+        done = []
+        for cell, seed, extra in cells[args.worker :: args.jobs]:
+            out = args.out / cell / f"seed{seed}"
+            saved = out / "results.json"
+            if not (saved.is_file() and json.loads(saved.read_text()).get("finished")):
+                print(f"[{time.strftime('%H:%M:%S')}] {cell} seed {seed}: start", flush=True)
+                main([*passed, "--no-plots", "--seed", str(seed), "--out", str(out), *extra])
+            done.append(str(out))
+        return done
+    args.out.mkdir(parents=True, exist_ok=True)
+    workers = []
+    for worker in range(args.jobs):
+        command = ["nice", "-n", str(args.nice), sys.executable, "-m", "lazy_tools.replicate", *passed,
+                   "--grid", args.grid, "--seeds", *map(str, args.seeds), "--jobs", str(args.jobs),
+                   "--out", str(args.out), "--worker", str(worker), "--order", args.order]
+        handle = open(args.out / f"worker-{worker}.txt", "a", encoding="utf-8")  # noqa: SIM115 (closed below)
+        workers.append((subprocess.Popen(command, stdout=handle, stderr=subprocess.STDOUT), handle))
+    for process, handle in workers:
+        process.wait()
+        handle.close()
+        print(f"[{time.strftime('%H:%M:%S')}] worker exit {process.returncode}", flush=True)
+    return [str(args.out / cell / f"seed{seed}") for cell, seed, _ in cells]
 
 
 def main(argv=None) -> dict:
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = parse_args(argv)
+    if args.grid:
+        return {"grid": args.grid, "runs": run_grid(args, argv)}
     torch.set_num_threads(args.threads)
     args.out.mkdir(parents=True, exist_ok=True)
-    log_file = open(args.out / "log.txt", "a", encoding="utf-8")
+    log_file = open(args.out / "log.txt", "a", encoding="utf-8")  # noqa: SIM115 (closed at the end of main)
 
     def log(message: str):
         line = f"[{time.strftime('%H:%M:%S')}] {message}"
@@ -338,21 +597,26 @@ def main(argv=None) -> dict:
         log_file.write(line + "\n")
         log_file.flush()
 
-    train_documents = brown_documents("train")[: args.train_docs]
-    test_documents = brown_documents("test")[: args.eval_docs]
+    train_documents = corpus("train")[: args.train_docs]
+    test_documents = corpus("test")[: args.eval_docs]
     blocks = document_blocks(train_documents, args.context)
     config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
     results = {"config": config, "train_blocks": blocks.shape[0],
                "train_tokens_per_variant": args.steps * args.batch_size * args.context,
-               "torch": torch.__version__, "runs": {}}
+               "torch": torch.__version__, "code": code_version(), "command": "python -m lazy_tools.replicate "
+               + " ".join(argv), "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "runs": {}}
     log(f"{blocks.shape[0]} training blocks of {args.context} bytes; {args.steps} steps x {args.batch_size} blocks "
-        f"= {results['train_tokens_per_variant']:,} tokens per variant ({results['train_tokens_per_variant'] / blocks.numel():.2f} epochs)")
+        f"= {results['train_tokens_per_variant']:,} tokens per variant "
+        f"({results['train_tokens_per_variant'] / blocks.numel():.2f} epochs)")
     models = {}
     for variant in args.variants:
         model = build_model(variant, args)
         parameters = sum(p.numel() for p in model.parameters())
         log(f"{variant}: {type(model).__name__}, {parameters:,} parameters, attn={model.config._attn_implementation}")
-        run = {"parameters": parameters, **train(model, blocks, args, log)}
+        segments = eval_segments(test_documents, args)[: args.stats_blocks]
+        init_blocks = torch.stack([segment[: args.context] for segment in segments])
+        init_attention = attention_figures(model, init_blocks)  # step 0: what the init imposes
+        run = {"parameters": parameters, "init_attention": init_attention, **train(model, blocks, args, log)}
         start = time.time()
         run["eval"] = evaluate(model, test_documents, args)
         run["eval_seconds"] = time.time() - start
@@ -363,7 +627,10 @@ def main(argv=None) -> dict:
             f"train {run['train_seconds']:.0f}s, eval {run['eval_seconds']:.0f}s")
         results["runs"][variant] = run
         models[variant] = model
-        (args.out / "results.json").write_text(json.dumps(results, indent=1))  # after each variant: partial results survive
+        # after each variant, so that partial results survive
+        (args.out / "results.json").write_text(json.dumps(results, indent=1))
+    results["finished"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    (args.out / "results.json").write_text(json.dumps(results, indent=1))
     table = results_table(results) + "\n" + per_layer_table(results)
     (args.out / "table.md").write_text(table)
     log("\n" + table)

@@ -14,11 +14,11 @@ TINY = ["--steps", "12", "--batch-size", "4", "--context", "32", "--hidden-size"
 def test_replicate_smoke(tmp_path):
     results = replicate.main(TINY + ["--out", str(tmp_path), "--no-plots"])
 
-    assert list(results["runs"]) == list(replicate.VARIANTS)
+    assert list(results["runs"]) == list(replicate.PAPER_VARIANTS)
     saved = json.loads((tmp_path / "results.json").read_text())
-    assert set(saved["runs"]) == set(replicate.VARIANTS)
+    assert set(saved["runs"]) == set(replicate.PAPER_VARIANTS)
     table = (tmp_path / "table.md").read_text()
-    for variant in replicate.VARIANTS:
+    for variant in replicate.PAPER_VARIANTS:
         assert f"| {variant} |" in table
 
     params = {name: run["parameters"] for name, run in results["runs"].items()}

@@ -1,0 +1,223 @@
+"""Lazification with controls: SmolLM2-135M converted at tau = 0 (exactly the Llama), then the same small
+fine-tuning budget spent on different parameter sets, and a no-training tau sweep as the baseline.
+
+    python -m lazy_tools.lazify_controls --out docs/replication/lazify --steps 24
+
+Arms (each starts from the same converted model, sees the same Brown-train blocks in the same order, same steps):
+
+- `lazy_only`:    tau and distance_bias trained (both from 0), everything else frozen (the demo's mode);
+- `bias_only`:    distance_bias trained, tau frozen at 0 (plain softmax: no exact zeros);
+- `tau_only`:     tau trained, distance_bias frozen at 0;
+- `vanilla_norms`: tau = distance_bias = 0 frozen (the model *is* the Llama), the RMSNorm weights trained instead
+  (30 x 2 x 576 + 576 = 35k parameters; the lazy arms train 30 x 9 x (1 + W) of which 30 x 9 x 257 = 69k receive
+  gradients at block length 256): a vanilla fine-tune of comparable size.
+
+Baseline without training: the converted model with one uniform tau for every head (`--tau-sweep`).
+
+Evaluation (every arm and every tau): all 50 Brown-test documents, the first `--eval-tokens` tokens of each,
+scored with `lazy_tools.metrics.perplexity` (context 512, so each document is one window; every token after
+the first is scored); perplexity pooled over documents. Attention statistics (`attention_statistics` and the
+pooled figures) on the first `--stats-tokens` tokens of the first `--stats-docs` documents.
+Writes `results.json` (after every evaluation) and `log.txt` under `--out`.
+"""
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from lazy_tools.data import brown_documents, pack_token_blocks, smollm2_llama_dir
+from lazy_tools.finetune import load_model
+from lazy_tools.metrics import (
+    attention_statistics,
+    perplexity,
+    pooled_attention_statistics,
+)
+from lazy_tools.replicate import code_version
+from modeling_lazy import lazy_attention_modules
+
+ARMS = ("lazy_only", "vanilla_norms", "bias_only", "tau_only")
+
+
+def trainable(model, arm: str) -> list[torch.nn.Parameter]:
+    """Freeze everything, then unfreeze what the arm trains; returns those parameters."""
+    model.requires_grad_(False)
+    chosen = []
+    for attn in lazy_attention_modules(model):
+        if arm in ("lazy_only", "tau_only"):
+            chosen.append(attn.tau)
+        if arm in ("lazy_only", "bias_only"):
+            chosen.append(attn.distance_bias)
+    if arm == "vanilla_norms":
+        chosen = [p for n, p in model.named_parameters() if n.endswith("norm.weight")]
+    elif arm not in ARMS:
+        raise ValueError(f"unknown arm {arm!r}; choose from {ARMS}")
+    for param in chosen:
+        param.requires_grad_(True)
+    return chosen
+
+
+def train_blocks(tokenizer, args) -> tuple[torch.Tensor, torch.Tensor]:
+    """Brown-train documents tokenised with EOS, packed one document at a time into `--block-size` blocks."""
+    ids, pos = [], []
+    for doc in brown_documents("train"):
+        tokens = tokenizer(doc)["input_ids"] + [tokenizer.eos_token_id]
+        if len(tokens) >= args.block_size:
+            block_ids, block_pos = pack_token_blocks([tokens], args.block_size)
+            ids.append(block_ids)
+            pos.append(block_pos)
+    return torch.cat(ids), torch.cat(pos)
+
+
+def finetune(model, arm: str, blocks, args, log) -> dict:
+    params = trainable(model, arm)
+    lr = args.norm_lr if arm == "vanilla_norms" else args.lazy_lr
+    opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
+    ids, pos = blocks
+    order = torch.randperm(ids.shape[0], generator=torch.Generator().manual_seed(args.seed))
+    order = order[: args.steps * args.batch_size].view(args.steps, args.batch_size)
+    model.train()
+    losses, start = [], time.time()
+    for step in range(args.steps):
+        for group in opt.param_groups:
+            group["lr"] = lr * min(1.0, (step + 1) / args.warmup)
+        input_ids, position_ids = ids[order[step]], pos[order[step]]
+        labels = input_ids.masked_fill(position_ids == 0, -100)
+        loss = model(input_ids=input_ids, position_ids=position_ids, labels=labels).loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+        log(f"  {arm} step {step + 1}/{args.steps} loss {losses[-1]:.4f} ({time.time() - start:.0f}s)")
+    model.eval()
+    model.requires_grad_(False)
+    return {"losses": losses, "lr": lr, "trained_parameters": sum(p.numel() for p in params),
+            "train_seconds": time.time() - start}
+
+
+@torch.no_grad()
+def evaluate(model, documents: list[torch.Tensor], args) -> dict:
+    model.eval()
+    nll, tokens = 0.0, 0
+    for doc in documents:
+        scored = perplexity(model, doc, context=args.eval_context)
+        nll += scored["nll"] * scored["tokens"]
+        tokens += scored["tokens"]
+    stats_ids = torch.stack([doc[: args.stats_tokens] for doc in documents[: args.stats_docs]])
+    stats = attention_statistics(model, stats_ids)
+    pooled = pooled_attention_statistics(model, stats_ids)
+    mean = {**stats["mean"], **pooled["mean"]}
+    per_layer = {key: [sum(layer[key]) / len(layer[key]) for layer in part["layers"]]
+                 for part, keys in ((stats, stats["mean"]), (pooled, pooled["mean"])) for key in keys}
+    return {"perplexity": math.exp(nll / tokens), "nll": nll / tokens, "tokens": tokens, "documents": len(documents),
+            "attention": mean, "per_layer": per_layer}
+
+
+def lazy_state(model) -> dict:
+    """Learned tau [layers][heads] and distance-bias summaries (the full bias is 30 x 9 x W)."""
+    modules = lazy_attention_modules(model)
+    return {"tau": [m.tau.tolist() for m in modules],
+            "distance_bias_first16": [m.distance_bias[:, :16].tolist() for m in modules]}
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--out", type=Path, default=Path("runs/lazify"))
+    parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=ARMS)
+    parser.add_argument("--tau-sweep", type=float, nargs="*", default=[0.0, -0.05, -0.1, -0.025])
+    parser.add_argument("--steps", type=int, default=24)
+    parser.add_argument("--batch-size", type=int, default=2)
+    parser.add_argument("--block-size", type=int, default=256)
+    parser.add_argument("--lazy-lr", type=float, default=2e-2, help="tau / distance_bias (the demo: 1e-3 x 20)")
+    parser.add_argument("--norm-lr", type=float, default=1e-3, help="RMSNorm weights of vanilla_norms")
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--eval-tokens", type=int, default=420, help="first N tokens of each Brown-test document")
+    parser.add_argument("--eval-context", type=int, default=512)
+    parser.add_argument("--stats-docs", type=int, default=4)
+    parser.add_argument("--stats-tokens", type=int, default=256)
+    parser.add_argument("--threads", type=int, default=1)
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> dict:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    args.out.mkdir(parents=True, exist_ok=True)
+    saved = args.out / "results.json"
+    results = json.loads(saved.read_text()) if saved.is_file() else {}
+    results.update({"config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+                    "code": code_version(), "command": "python -m lazy_tools.lazify_controls " + " ".join(argv),
+                    "torch": torch.__version__})
+    results.setdefault("tau_sweep", {})
+    results.setdefault("arms", {})
+
+    with open(args.out / "log.txt", "a", encoding="utf-8") as log_file:
+        def log(message: str):
+            line = f"[{time.strftime('%H:%M:%S')}] {message}"
+            print(line, flush=True)
+            log_file.write(line + "\n")
+            log_file.flush()
+
+        def save():
+            saved.write_text(json.dumps(results, indent=1))
+
+        model, tokenizer = load_model(str(smollm2_llama_dir()), tau_init=0.0, bias_init_std=0.0)
+        model.eval()
+        pristine = {k: v.clone() for k, v in model.state_dict().items() if "norm" in k or "tau" in k
+                    or "distance_bias" in k}
+        documents = [torch.tensor(tokenizer(doc)["input_ids"][: args.eval_tokens]) for doc in brown_documents("test")]
+        log(f"{len(documents)} test documents, {sum(d.numel() for d in documents):,} tokens")
+
+        def sweep(taus):
+            for tau in taus:
+                key = f"{tau:g}"
+                if key in results["tau_sweep"]:
+                    continue
+                model.load_state_dict(pristine, strict=False)
+                with torch.no_grad():
+                    for attn in lazy_attention_modules(model):
+                        attn.tau.fill_(tau)
+                start = time.time()
+                results["tau_sweep"][key] = {"tau": tau, **evaluate(model, documents, args),
+                                             "eval_seconds": time.time() - start}
+                res = results["tau_sweep"][key]
+                log(f"tau {tau:+.3f} (no training): ppl {res['perplexity']:.4f}, "
+                    f"sparsity {res['attention']['sparsity']:.4f} (pooled {res['attention']['sparsity_pooled']:.4f})"
+                    f", {res['eval_seconds']:.0f}s")
+                save()
+
+        sweep([tau for tau in args.tau_sweep if tau == 0])  # the converted model itself: every arm's baseline
+        model.load_state_dict(pristine, strict=False)
+
+        blocks = train_blocks(tokenizer, args)
+        results["train_blocks"] = blocks[0].shape[0]
+        for arm in args.arms:
+            if arm in results["arms"]:
+                continue
+            model.load_state_dict(pristine, strict=False)
+            run = finetune(model, arm, blocks, args, log)
+            start = time.time()
+            run["eval"] = evaluate(model, documents, args)
+            run["eval_seconds"] = time.time() - start
+            run["learned"] = lazy_state(model)
+            results["arms"][arm] = run
+            ev = run["eval"]
+            log(f"{arm}: ppl {ev['perplexity']:.4f}, sparsity {ev['attention']['sparsity']:.4f} "
+                f"(pooled {ev['attention']['sparsity_pooled']:.4f}), train {run['train_seconds']:.0f}s")
+            save()
+        sweep([tau for tau in args.tau_sweep if tau != 0])  # after the arms (they are the comparison asked for)
+        results["finished"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        save()
+    return results
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,179 @@
+"""The study's control variants (lazy_tools/replicate.py) do what their names say, and the pooled attention
+figures (lazy_tools.metrics.pooled_attention_statistics) agree with a direct count. Tiny random models: seconds."""
+
+import argparse
+
+import pytest
+import torch
+
+from lazy_tools import replicate
+from lazy_tools.metrics import attention_weights, pooled_attention_statistics
+from modeling_lazy.lazy_attention_reference import (
+    lazy_attention_metadata,
+    lazy_attention_reference,
+)
+
+
+def tiny_args(**overrides):
+    args = {"hidden_size": 32, "intermediate_size": 64, "layers": 2, "heads": 2, "context": 16, "seed": 0,
+            "tau_init": -1.0,
+                "bias_window": None, "gain_init": 1.0, "small_oinit": 0.02}
+    args.update(overrides)
+    return argparse.Namespace(**args)
+
+
+def ids(batch=2, length=16, seed=1):
+    return torch.randint(0, 256, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def o_proj_outputs(model, input_ids):
+    """Per layer: (input, output) of o_proj, as the model computes them (hooks included)."""
+    seen = []
+    handles = [layer.self_attn.o_proj.register_forward_hook(lambda m, i, o: seen.append((i[0], o)))
+               for layer in replicate.attention_layers(model)]
+    with torch.no_grad():
+        logits = model(input_ids=input_ids).logits
+    for handle in handles:
+        handle.remove()
+    return seen, logits
+
+
+def test_every_variant_starts_from_the_same_llama_weights():
+    args = tiny_args()
+    reference = replicate.build_model("vanilla", args).state_dict()
+    for variant in replicate.VARIANTS:
+        state = replicate.build_model(variant, args).state_dict()
+        for name, tensor in reference.items():
+            if variant == "small_oinit" and name.endswith("o_proj.weight"):
+                torch.testing.assert_close(state[name], tensor * 0.02, rtol=0, atol=0)
+            else:
+                assert torch.equal(state[name], tensor), (variant, name)
+
+
+def test_scale_multiplies_the_attention_output_and_scale1_is_vanilla():
+    x = ids()
+    base_seen, base_logits = o_proj_outputs(replicate.build_model("vanilla", tiny_args()), x)
+    _, one_logits = o_proj_outputs(replicate.build_model("scale1", tiny_args()), x)
+    assert torch.equal(one_logits, base_logits)
+    model = replicate.build_model("scale0.3", tiny_args())
+    # Layer 0 sees the same input, so its attention output must be exactly 0.3 x vanilla's.
+    seen, logits = o_proj_outputs(model, x)
+    torch.testing.assert_close(seen[0][1], 0.3 * base_seen[0][1])
+    attn_out = model.model.layers[0].self_attn.o_proj(seen[0][0])  # the hook applies to direct calls too
+    weight = model.model.layers[0].self_attn.o_proj.weight
+    torch.testing.assert_close(attn_out, 0.3 * torch.nn.functional.linear(seen[0][0], weight))
+    assert not torch.allclose(logits, base_logits)
+
+
+def test_gain_is_a_learnable_per_head_factor_on_each_heads_output():
+    model = replicate.build_model("gain", tiny_args())
+    attn = model.model.layers[0].self_attn
+    assert attn.head_gain.shape == (2,) and attn.head_gain.requires_grad
+    assert torch.equal(attn.head_gain, torch.ones(2))
+    names = [n for n, _ in model.named_parameters() if n.endswith("head_gain")]
+    assert len(names) == 2  # one per layer, seen by the optimizer
+    x = ids()
+    seen_before, _ = o_proj_outputs(model, x)
+    with torch.no_grad():
+        attn.head_gain.copy_(torch.tensor([0.5, 2.0]))
+    captured = []
+    handle = attn.o_proj.register_forward_hook(lambda m, i, o: captured.append(i[0]))
+    with torch.no_grad():
+        model(input_ids=x)
+    handle.remove()
+    # The pre-hook scaled head 0's 16 channels by 0.5 and head 1's by 2 before the projection.
+    raw = seen_before[0][0]  # o_proj input with gains 1 (= the heads' outputs)
+    expected = torch.cat([raw[..., :16] * 0.5, raw[..., 16:] * 2.0], dim=-1)
+    out = attn.o_proj(raw)
+    torch.testing.assert_close(out, torch.nn.functional.linear(expected, attn.o_proj.weight))
+    assert captured  # the forward ran through the hook
+    loss = model(input_ids=x, labels=x).loss
+    loss.backward()
+    assert attn.head_gain.grad is not None and attn.head_gain.grad.abs().sum() > 0
+
+
+def test_norelu_has_no_exact_zeros_and_equals_p_plus_tau_over_n():
+    args = tiny_args()
+    norelu = replicate.build_model("norelu", args)
+    lazy = replicate.build_model("lazy", args)
+    lazy.load_state_dict(norelu.state_dict())
+    x = ids()
+    weights, visible, _, _ = attention_weights(norelu, x)
+    lazy_weights, *_ = attention_weights(lazy, x)
+    for layer, (w, lw) in enumerate(zip(weights, lazy_weights)):
+        # No exact zeros among visible pairs, except where the formula itself gives 0: query 0 has one key
+        # (p = 1, n = 1), so its weight is 1 + tau = 0 at tau = -1.
+        assert ((w == 0) & visible)[:, :, 1:].sum() == 0
+        assert (w[~visible.expand_as(w)] == 0).all()
+        assert ((lw == 0) & visible).sum() > 0  # while the ReLU version has some (tau = -1)
+        if layer == 0:  # same input: ReLU of no-ReLU = Lazy Attention (later layers see different inputs)
+            torch.testing.assert_close(torch.relu(w), lw)
+        tau = norelu.model.layers[layer].self_attn.tau
+        torch.testing.assert_close(w.sum(-1), (1 + tau[None, :, None]).expand(2, -1, 16))  # rows sum to 1 + tau
+    # and the weights are softmax + tau/n: compare with the reference at tau = 0 (plain softmax with the bias)
+    attn = norelu.model.layers[0].self_attn
+    q, k, v = (torch.randn(1, 2, 16, 16, generator=torch.Generator().manual_seed(s)) for s in (2, 3, 4))
+    meta = lazy_attention_metadata(None, None, 0, 16, 1, q.device)
+    out, w = replicate.norelu_attention(attn, q, k, v, None, 0.25, lazy_metadata=meta)
+    _, p = lazy_attention_reference(q, k, v, torch.zeros(2), attn.distance_bias, meta, 0.25)
+    n = torch.arange(1, 17.0)[None, None, :, None]
+    expected = (p + attn.tau[None, :, None, None] / n) * torch.ones(16, 16).tril()
+    torch.testing.assert_close(w, expected)
+    torch.testing.assert_close(out, (expected @ v).transpose(1, 2))
+
+
+def test_bias_only_and_tau_only_freeze_what_they_say_and_tau_init_is_used():
+    bias_only = replicate.build_model("bias_only", tiny_args())
+    tau_only = replicate.build_model("tau_only", tiny_args(tau_init=-0.25))
+    for layer in bias_only.model.layers:
+        assert not layer.self_attn.tau.requires_grad and (layer.self_attn.tau == 0).all()
+    for layer in tau_only.model.layers:
+        assert not layer.self_attn.distance_bias.requires_grad and (layer.self_attn.distance_bias == 0).all()
+        assert (layer.self_attn.tau == -0.25).all()
+    wide = replicate.build_model("lazy", tiny_args(bias_window=64))
+    assert wide.model.layers[0].self_attn.distance_bias.shape == (2, 64)
+
+
+def test_unknown_variant_is_refused():
+    with pytest.raises(ValueError, match="unknown variant"):
+        replicate.build_model("lazzy", tiny_args())
+
+
+def test_pooled_statistics_match_a_direct_count():
+    model = replicate.build_model("lazy", tiny_args())
+    x = ids(batch=3)
+    stats = pooled_attention_statistics(model, x)
+    weights, *_ = attention_weights(model, x)
+    for layer, w in enumerate(weights):
+        for head in range(2):
+            zeros = pairs = 0
+            removed, shares, sink_sum, mass_sum = [], [], 0.0, 0.0
+            for b in range(3):
+                for i in range(16):
+                    row = [float(w[b, head, i, j]) for j in range(i + 1)]
+                    zeros += sum(1 for a in row if a == 0.0)
+                    pairs += len(row)
+                    removed.append(1 - sum(row))
+                    if i > 0 and sum(row) > 0:
+                        shares.append(row[0] / sum(row))
+                    if i > 0:
+                        sink_sum += row[0]
+                        mass_sum += sum(row)
+            got = {k: v[head] for k, v in stats["layers"][layer].items()}
+            assert got["sparsity_pooled"] == pytest.approx(zeros / pairs)
+            assert got["removed_mass"] == pytest.approx(sum(removed) / len(removed), abs=1e-6)
+            assert got["sink_share"] == pytest.approx(sum(shares) / len(shares), abs=1e-6)
+            assert got["sink_share_pooled"] == pytest.approx(sink_sum / mass_sum, abs=1e-6)
+    assert 0 < stats["mean"]["sparsity_pooled"] < 1
+    vanilla = pooled_attention_statistics(replicate.build_model("vanilla", tiny_args()), x)["mean"]
+    assert vanilla["sparsity_pooled"] == 0 and abs(vanilla["removed_mass"]) < 1e-5
+
+
+def test_grid_cells_run_seed_by_seed():
+    args = argparse.Namespace(grid="controls", seeds=[0, 1])
+    cells = replicate.grid_cells(args)
+    assert len(cells) == 2 * len(replicate.GRIDS["controls"])
+    assert [c[1] for c in cells[: len(replicate.GRIDS["controls"])]] == [0] * len(replicate.GRIDS["controls"])
+    assert all(set(c[2][1:2]) <= set(replicate.VARIANTS) for c in cells)
+    by_cell = replicate.grid_cells(argparse.Namespace(grid="controls", seeds=[0, 1], order="cell"))
+    assert [c[:2] for c in by_cell[:3]] == [("vanilla", 0), ("vanilla", 1), ("lazy", 0)]
