@@ -29,6 +29,22 @@ class LazyLlamaConfig(LlamaConfig):
     """
 
     model_type = "lazy_llama"
+    # Tensor parallelism (`from_pretrained(..., tp_plan="auto")`): Llama's plan, plus the two per-head parameters
+    # sharded with their query heads ("colwise" shards dim 0, like q_proj's output rows; GQA keeps each rank's
+    # query heads with their key/value heads as long as num_key_value_heads divides by the TP size), and the
+    # attention module run on its local shards ("local_params").
+    base_model_tp_plan = {
+        "layers.*.self_attn.q_proj": "colwise",
+        "layers.*.self_attn.k_proj": "colwise",
+        "layers.*.self_attn.v_proj": "colwise",
+        "layers.*.self_attn.o_proj": "rowwise",
+        "layers.*.self_attn.tau": "colwise",
+        "layers.*.self_attn.distance_bias": "colwise",
+        "layers.*.self_attn": "local_params",
+        "layers.*.mlp.gate_proj": "colwise",
+        "layers.*.mlp.up_proj": "colwise",
+        "layers.*.mlp.down_proj": "rowwise",
+    }
 
     lazy_bias_window: int = 1024
     lazy_tau_init: float | int = -1.0

@@ -1,12 +1,22 @@
 """LazyLlama model package: importing it registers the classes with the Auto classes of transformers."""
 
-from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+from transformers import (
+    AutoConfig,
+    AutoModel,
+    AutoModelForCausalLM,
+    AutoModelForQuestionAnswering,
+    AutoModelForSequenceClassification,
+    AutoModelForTokenClassification,
+)
 
 from configuration_lazy import LazyLlamaConfig
 
 from .modeling_lazy import (
     LAZY_PARAMETER_NAMES,
     LazyLlamaForCausalLM,
+    LazyLlamaForQuestionAnswering,
+    LazyLlamaForSequenceClassification,
+    LazyLlamaForTokenClassification,
     LazyLlamaModel,
     LazyLlamaPreTrainedModel,
     is_lazy_parameter,
@@ -16,11 +26,17 @@ from .modeling_lazy import (
 AutoConfig.register(LazyLlamaConfig.model_type, LazyLlamaConfig, exist_ok=True)
 AutoModel.register(LazyLlamaConfig, LazyLlamaModel, exist_ok=True)
 AutoModelForCausalLM.register(LazyLlamaConfig, LazyLlamaForCausalLM, exist_ok=True)
+AutoModelForSequenceClassification.register(LazyLlamaConfig, LazyLlamaForSequenceClassification, exist_ok=True)
+AutoModelForTokenClassification.register(LazyLlamaConfig, LazyLlamaForTokenClassification, exist_ok=True)
+AutoModelForQuestionAnswering.register(LazyLlamaConfig, LazyLlamaForQuestionAnswering, exist_ok=True)
 
 __all__ = [
     "LAZY_PARAMETER_NAMES",
     "LazyLlamaConfig",
     "LazyLlamaForCausalLM",
+    "LazyLlamaForQuestionAnswering",
+    "LazyLlamaForSequenceClassification",
+    "LazyLlamaForTokenClassification",
     "LazyLlamaModel",
     "LazyLlamaPreTrainedModel",
     "is_lazy_parameter",
