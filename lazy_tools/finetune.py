@@ -71,7 +71,8 @@ def load_model(path: str, tau_init: float = 0.0, bias_init_std: float = 0.0, dty
         # A folder saved from a GGUF load keeps this note although its tensors are plain (dequantised) ones;
         # left in place it makes Trainer refuse to train the model as "purely quantized".
         del config.quantization_config
-    model = LazyLlamaForCausalLM.from_pretrained(path, config=config, dtype=dtype, distributed_config=distributed_config)
+    model = LazyLlamaForCausalLM.from_pretrained(path, config=config, dtype=dtype,
+                                                 distributed_config=distributed_config)
     tokenizer = AutoTokenizer.from_pretrained(path)
     return model, tokenizer
 

@@ -92,7 +92,8 @@ def lazy_attention_metadata(
     static_buffer = isinstance(past_length, torch.Tensor)
     if static_buffer:
         if key_length is None:
-            raise ValueError("lazy_attention_metadata: a tensor past_length needs key_length (the cache buffer length).")
+            raise ValueError("lazy_attention_metadata: a tensor past_length needs key_length "
+                             "(the cache buffer length).")
         past_length = past_length.to(device=device, dtype=torch.long)
     elif key_length is None:
         key_length = past_length + query_length

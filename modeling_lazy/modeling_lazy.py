@@ -26,7 +26,12 @@ from transformers.modeling_layers import (
     GradientCheckpointingLayer,
 )
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface, PreTrainedModel, slice_logits_to_keep
+from transformers.modeling_utils import (
+    ALL_ATTENTION_FUNCTIONS,
+    AttentionInterface,
+    PreTrainedModel,
+    slice_logits_to_keep,
+)
 from transformers.models.llama.modeling_llama import (
     LlamaMLP,
     LlamaRMSNorm,
@@ -537,7 +542,9 @@ class _LazyLlamaTaskHead:
 
 # Llama's three task heads: transformers' generic heads on a LazyLlamaModel (`base_model_prefix = "model"`, so a
 # causal-LM checkpoint loads into them with only the new head initialised).
-class LazyLlamaForSequenceClassification(_LazyLlamaTaskHead, GenericForSequenceClassification, LazyLlamaPreTrainedModel):
+class LazyLlamaForSequenceClassification(
+    _LazyLlamaTaskHead, GenericForSequenceClassification, LazyLlamaPreTrainedModel
+):
     ...
 
 

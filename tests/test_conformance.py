@@ -86,6 +86,9 @@ def test_static_cache_logits_equal_dynamic_cache(implementation, rng_seed):
     assert (plain - reference).abs().max() < 1e-5
 
 
+NEEDS_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="transformers offloads through CUDA streams")
+
+
 def _greedy(model, ids, mask, **kwargs):
     return model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0,
                           eos_token_id=None, **kwargs)
@@ -93,10 +96,8 @@ def _greedy(model, ids, mask, **kwargs):
 
 @pytest.mark.parametrize("implementation, cache_implementation", [
     ("lazy", "static"), ("eager", "static"), ("lazy", "sliding_window"),
-    pytest.param("lazy", "offloaded", marks=pytest.mark.skipif(not torch.cuda.is_available(),
-                                                                reason="transformers offloads through CUDA streams")),
-    pytest.param("lazy", "offloaded_static", marks=pytest.mark.skipif(not torch.cuda.is_available(),
-                                                                       reason="transformers offloads through CUDA streams")),
+    pytest.param("lazy", "offloaded", marks=NEEDS_CUDA),
+    pytest.param("lazy", "offloaded_static", marks=NEEDS_CUDA),
 ])
 def test_generate_with_cache_implementation_equals_dynamic(implementation, cache_implementation, rng_seed):
     """Greedy tokens of a left-padded batch are those of the default dynamic cache ("sliding_window" gives Llama,
@@ -116,13 +117,15 @@ def test_static_cache_beam_search_and_continuation(rng_seed):
     model = tiny_model()
     ids, mask = left_padded([6, 4])
     beams = dict(num_beams=3, num_return_sequences=2)
-    assert torch.equal(_greedy(model, ids, mask, cache_implementation="static", **beams), _greedy(model, ids, mask, **beams))
+    static = _greedy(model, ids, mask, cache_implementation="static", **beams)
+    assert torch.equal(static, _greedy(model, ids, mask, **beams))
 
     prompt = ids[:1, -4:]
     cache = StaticCache(config=model.config, max_cache_len=32)
     first = model.generate(prompt, max_new_tokens=4, do_sample=False, pad_token_id=0, eos_token_id=None, cache=cache)
     follow = torch.cat([first, torch.randint(3, 97, (1, 2))], 1)
-    continued = model.generate(follow, max_new_tokens=4, do_sample=False, pad_token_id=0, eos_token_id=None, cache=cache)
+    continued = model.generate(follow, max_new_tokens=4, do_sample=False, pad_token_id=0, eos_token_id=None,
+                               cache=cache)
     fresh = model.generate(follow, max_new_tokens=4, do_sample=False, pad_token_id=0, eos_token_id=None)
     assert torch.equal(continued, fresh)
 
@@ -391,7 +394,9 @@ def test_sequence_classification_pools_the_last_token_of_left_padded_rows(rng_se
 
 REMOTE_HEADS_SCRIPT = """
 import sys, torch
-from transformers import AutoModelForQuestionAnswering, AutoModelForSequenceClassification, AutoModelForTokenClassification
+from transformers import (
+    AutoModelForQuestionAnswering, AutoModelForSequenceClassification, AutoModelForTokenClassification,
+)
 path, ids_path, out_path = sys.argv[1:4]
 ids = torch.load(ids_path)
 out = {}

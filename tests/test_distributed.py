@@ -144,6 +144,6 @@ def test_fsdp_parameter_casting_mixed_precision_is_refused(finetune_workspace):
 
     from modeling_lazy import LazyLlamaForCausalLM
 
+    casting = DistributedConfig(fsdp_size=2, fsdp_mixed_precision=True)
     with pytest.raises(ValueError, match="bf16=True"):
-        LazyLlamaForCausalLM.from_pretrained(finetune_workspace / "model",
-                                             distributed_config=DistributedConfig(fsdp_size=2, fsdp_mixed_precision=True))
+        LazyLlamaForCausalLM.from_pretrained(finetune_workspace / "model", distributed_config=casting)
