@@ -38,6 +38,22 @@ class LazyLlamaConfig(LlamaConfig):
     """
 
     model_type = "lazy_llama"
+    # Tensor parallelism (`from_pretrained(..., tp_plan="auto")`): Llama's plan, plus the two per-head parameters
+    # sharded with their query heads ("colwise" shards dim 0, like q_proj's output rows; GQA keeps each rank's
+    # query heads with their key/value heads as long as num_key_value_heads divides by the TP size), and the
+    # attention module run on its local shards ("local_params").
+    base_model_tp_plan = {
+        "layers.*.self_attn.q_proj": "colwise",
+        "layers.*.self_attn.k_proj": "colwise",
+        "layers.*.self_attn.v_proj": "colwise",
+        "layers.*.self_attn.o_proj": "rowwise",
+        "layers.*.self_attn.tau": "colwise",
+        "layers.*.self_attn.distance_bias": "colwise",
+        "layers.*.self_attn": "local_params",
+        "layers.*.mlp.gate_proj": "colwise",
+        "layers.*.mlp.up_proj": "colwise",
+        "layers.*.mlp.down_proj": "rowwise",
+    }
 
     lazy_bias_window: int = 1024
     lazy_tau_init: float | int = -1.0
@@ -55,7 +71,8 @@ class LazyLlamaConfig(LlamaConfig):
             value = getattr(self, name)
             if not (value is None and name in _DERIVED_IF_NONE or _is_positive_int(value)):
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}.")
-        if isinstance(self.lazy_bias_window, bool) or not isinstance(self.lazy_bias_window, int) or self.lazy_bias_window < 1:
+        window = self.lazy_bias_window
+        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
             raise ValueError(
                 f"lazy_bias_window must be an integer >= 1 (the number of distances with a learnable bias), "
                 f"got {self.lazy_bias_window!r}."

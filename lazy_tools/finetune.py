@@ -53,12 +53,15 @@ class FinetuneError(ValueError):
 # --------------------------------------------------------------------------------------------- model
 
 
-def load_model(path: str, tau_init: float = 0.0, bias_init_std: float = 0.0, dtype=torch.float32):
+def load_model(path: str, tau_init: float = 0.0, bias_init_std: float = 0.0, dtype=torch.float32,
+               distributed_config=None):
     """Load a LazyLlama or a plain Llama folder as `LazyLlamaForCausalLM`, plus its tokenizer.
 
     A Llama checkpoint has no `tau`/`distance_bias`; they are initialised to `tau_init` and N(0, `bias_init_std`)
     (defaults 0 and 0: the exact conversion, logits identical to the Llama's). A LazyLlama checkpoint keeps its
     own values. Weights load in `dtype` (float32 by default; mixed precision is the Trainer's job).
+    `distributed_config` (a `transformers.DistributedConfig`, e.g. `fsdp_size=N` under torchrun) shards the model
+    at load time with FSDP2; `Trainer` then trains it as it is.
     """
     from transformers import AutoTokenizer
 
@@ -66,7 +69,8 @@ def load_model(path: str, tau_init: float = 0.0, bias_init_std: float = 0.0, dty
 
     with missing_model_explained(path):
         config = LazyLlamaConfig.from_pretrained(path, lazy_tau_init=tau_init, lazy_bias_init_std=bias_init_std)
-    model = LazyLlamaForCausalLM.from_pretrained(path, config=without_gguf_quantization(config), dtype=dtype)
+    model = LazyLlamaForCausalLM.from_pretrained(path, config=without_gguf_quantization(config), dtype=dtype,
+                                                 distributed_config=distributed_config)
     tokenizer = AutoTokenizer.from_pretrained(path)
     return model, tokenizer
 
@@ -245,7 +249,9 @@ class LazyAttentionCallback(TrainerCallback):
         return out
 
     def on_log(self, args, state, control, logs=None, model=None, **kwargs):
-        if logs is None or model is None or not state.is_world_process_zero:
+        # An FSDP2-sharded model all-gathers its weights in forward: every rank computes, the main process logs.
+        sharded = _is_fsdp_sharded(model)
+        if logs is None or model is None or not (state.is_world_process_zero or sharded):
             return
         if "eval_loss" in logs:
             extra = {"eval_perplexity": math.exp(min(logs["eval_loss"], 50.0))}
@@ -257,9 +263,18 @@ class LazyAttentionCallback(TrainerCallback):
             extra = self.statistics(model)
         else:
             return
+        if not state.is_world_process_zero:
+            return
         logs.update(extra)
         if state.log_history and all(state.log_history[-1].get(k) == v for k, v in logs.items() if k not in extra):
             state.log_history[-1].update(extra)  # Trainer.log stored a copy before calling us
+
+
+def _is_fsdp_sharded(model) -> bool:
+    """True for a model FSDP2 shards (`DistributedConfig(fsdp_size=N)` at load, or accelerate's FSDP2)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return model is not None and any(isinstance(module, FSDPModule) for module in model.modules())
 
 
 def probe_from_blocks(dataset, tokens: int = 256, rows: int = 2) -> torch.Tensor:
@@ -327,6 +342,8 @@ class FinetuneArguments:
     stats_tokens: int = field(default=256, metadata={"help": "Probe length of the attention-statistics callback."})
     stats_every_n_logs: int = field(default=1, metadata={"help": "Attention statistics every N training logs."})
     auto_bf16: bool = field(default=True, metadata={"help": "Train in bf16 on CUDA GPUs that support it."})
+    fsdp_size: int = field(default=1, metadata={"help": "FSDP2: shard the model over N processes (torchrun "
+                                                        "--nproc_per_node N); 1 = replicated (DDP under torchrun)."})
 
 
 def parse_args(argv=None):
@@ -391,7 +408,13 @@ def finetune(args: FinetuneArguments, training_args: TrainingArguments) -> LazyT
     """Everything `lazy-finetune` does: check the input, load, pack, train (resuming if asked), save, evaluate.
     Returns the trainer; `FinetuneError` for input it cannot train on (before any tokenising)."""
     check_data_and_resume(args, training_args)
-    model, tokenizer = load_model(args.model_name_or_path, args.tau_init, args.bias_init_std)
+    distributed_config = None
+    if args.fsdp_size > 1:
+        from transformers.distributed import DistributedConfig
+
+        distributed_config = DistributedConfig(fsdp_size=args.fsdp_size)
+    model, tokenizer = load_model(args.model_name_or_path, args.tau_init, args.bias_init_std,
+                                  distributed_config=distributed_config)
     check_block_size(args.block_size, model.config)
     with training_args.main_process_first(desc="tokenising and packing"):
         train = packed_dataset(load_documents(args.train_file, args.text_column), tokenizer, args.block_size)

@@ -78,7 +78,10 @@ def attention_statistics(model, input_ids: torch.Tensor, attention_mask: torch.T
         surviving = (mass * rows).sum(dim=(0, 2)) / row_count
         sink_w = (w * first_key).sum(-1)
         sink = (sink_w * sink_rows).sum(dim=(0, 2)) / sink_rows.float().sum(dim=(0, 2)).clamp(min=1)
-        tau = lazy[layer].tau.detach().float().cpu() if lazy else torch.zeros(w.shape[1])
+        tau = lazy[layer].tau.detach() if lazy else torch.zeros(w.shape[1])
+        if hasattr(tau, "full_tensor"):  # a DTensor (FSDP2 or tensor parallelism): every rank gathers it
+            tau = tau.full_tensor()
+        tau = tau.float().cpu()
         layers.append({
             "sparsity": sparsity.cpu().tolist(),
             "tile_density": _tile_density(w, visible, tile).cpu().tolist(),

@@ -3,13 +3,23 @@
 The math, the gradients, the metadata and the attention backends are described in docs/design.md.
 """
 
-from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+from transformers import (
+    AutoConfig,
+    AutoModel,
+    AutoModelForCausalLM,
+    AutoModelForQuestionAnswering,
+    AutoModelForSequenceClassification,
+    AutoModelForTokenClassification,
+)
 
 from configuration_lazy import LazyLlamaConfig
 
 from .modeling_lazy import (
     LAZY_PARAMETER_NAMES,
     LazyLlamaForCausalLM,
+    LazyLlamaForQuestionAnswering,
+    LazyLlamaForSequenceClassification,
+    LazyLlamaForTokenClassification,
     LazyLlamaModel,
     LazyLlamaPreTrainedModel,
     is_lazy_parameter,
@@ -19,11 +29,17 @@ from .modeling_lazy import (
 AutoConfig.register(LazyLlamaConfig.model_type, LazyLlamaConfig, exist_ok=True)
 AutoModel.register(LazyLlamaConfig, LazyLlamaModel, exist_ok=True)
 AutoModelForCausalLM.register(LazyLlamaConfig, LazyLlamaForCausalLM, exist_ok=True)
+AutoModelForSequenceClassification.register(LazyLlamaConfig, LazyLlamaForSequenceClassification, exist_ok=True)
+AutoModelForTokenClassification.register(LazyLlamaConfig, LazyLlamaForTokenClassification, exist_ok=True)
+AutoModelForQuestionAnswering.register(LazyLlamaConfig, LazyLlamaForQuestionAnswering, exist_ok=True)
 
 __all__ = [
     "LAZY_PARAMETER_NAMES",
     "LazyLlamaConfig",
     "LazyLlamaForCausalLM",
+    "LazyLlamaForQuestionAnswering",
+    "LazyLlamaForSequenceClassification",
+    "LazyLlamaForTokenClassification",
     "LazyLlamaModel",
     "LazyLlamaPreTrainedModel",
     "is_lazy_parameter",

@@ -25,7 +25,10 @@ class LazyMetadata(NamedTuple):
     q_pos `[B, Tq]`, k_pos `[B, Tk]` int64: positions (restart at 0 per packed document); `n_i = q_pos[i] + 1`.
     q_seg `[B, Tq]`, k_seg `[B, Tk]` int32: query i sees key j  <=>  `q_seg[i] == k_seg[j]` and
         `j <= i + key_offset`. Padding keys carry -1, padded query rows -2 (they see nothing).
-    key_offset: key index of query row 0, i.e. the number of cached keys before this call (`Tk - Tq`).
+    key_offset: key index of query row 0, i.e. the number of cached keys before this call. A Python int
+        (then `Tk - Tq`), except for a static cache under torch.compile: there it is a 0-d int64 tensor (the
+        cache's written length, which changes every step without changing any shape), `Tk` is the cache's
+        whole buffer and its unwritten slots carry k_seg -1.
     causal: the plain causal layout (no padding, one document per row, positions = index + a per-row
         constant): query i sees exactly keys `0 .. i + key_offset` at distance `i + key_offset - j`.
         Backends may use a faster path then; `False` is always safe.
@@ -36,7 +39,7 @@ class LazyMetadata(NamedTuple):
     k_pos: torch.Tensor
     q_seg: torch.Tensor
     k_seg: torch.Tensor
-    key_offset: int
+    key_offset: int | torch.Tensor
     causal: bool
     q_pos32: torch.Tensor
     k_pos32: torch.Tensor
@@ -45,6 +48,11 @@ class LazyMetadata(NamedTuple):
     def key_length(self) -> int:
         """Keys this call attends over (a static cache may hand backends a longer, partly unwritten buffer)."""
         return self.k_pos.shape[1]
+
+    @property
+    def static_buffer(self) -> bool:
+        """True when the keys are a static cache's whole buffer and `key_offset` is a tensor (torch.compile)."""
+        return isinstance(self.key_offset, torch.Tensor)
 
 
 def _is_causal_layout(q_pos, k_pos, q_seg, k_seg, key_offset: int) -> bool:
@@ -61,22 +69,37 @@ def _is_causal_layout(q_pos, k_pos, q_seg, k_seg, key_offset: int) -> bool:
 def lazy_attention_metadata(
     attention_mask: torch.Tensor | None,
     position_ids: torch.Tensor | None,
-    past_length: int,
+    past_length: int | torch.Tensor,
     query_length: int,
     batch_size: int,
     device: torch.device,
     cu_seq_lens: torch.Tensor | None = None,
+    key_length: int | None = None,
 ) -> LazyMetadata:
     """Positions and segment ids of queries and keys for one forward call.
 
     Args:
-        attention_mask: `[B, past_length + query_length]` (1 = token, 0 = padding) or None.
+        attention_mask: `[B, key_length]` (1 = token, 0 = padding) or None.
         position_ids: `[B or 1, query_length]` or None. When None they come from the mask (`cumsum - 1`),
             so a left-padded row gets the positions its prompt gets alone, or are `past_length + arange`.
-        past_length: number of cached keys before this call's tokens.
+        past_length: number of cached keys before this call's tokens: an int, or a 0-d tensor for a static
+            cache under torch.compile (no host sync; then `key_length` is the cache's buffer length and the
+            slots from `past_length + query_length` on are invisible).
         cu_seq_lens: optional `[num_docs + 1]` cumulative document lengths of a packed batch of one row.
+        key_length: keys the backends attend over; default (and required for an int `past_length`)
+            `past_length + query_length`.
     """
-    key_length = past_length + query_length
+    static_buffer = isinstance(past_length, torch.Tensor)
+    if static_buffer:
+        if key_length is None:
+            raise ValueError("lazy_attention_metadata: a tensor past_length needs key_length "
+                             "(the cache buffer length).")
+        past_length = past_length.to(device=device, dtype=torch.long)
+    elif key_length is None:
+        key_length = past_length + query_length
+    elif key_length != past_length + query_length:
+        raise ValueError(f"key_length ({key_length}) must be past_length + query_length for an int past_length.")
+    key_index = torch.arange(key_length, device=device)
     if attention_mask is not None:
         if attention_mask.dim() != 2 or attention_mask.shape[-1] != key_length:
             raise ValueError(
@@ -84,7 +107,7 @@ def lazy_attention_metadata(
                 f"[{batch_size}, {key_length}], got {tuple(attention_mask.shape)}. 4-D masks cannot express "
                 "Elastic-Softmax's per-row key count; pass the tokenizer's attention_mask instead."
             )
-        if not torch.compiler.is_compiling() and bool(attention_mask.all()):
+        if not static_buffer and not torch.compiler.is_compiling() and bool(attention_mask.all()):
             attention_mask = None  # all ones (generate() without padding): the same layout as no mask
     key_valid = None
     if attention_mask is not None:
@@ -92,33 +115,45 @@ def lazy_attention_metadata(
         mask_pos = key_valid.long().cumsum(-1) - 1
         mask_pos = mask_pos.masked_fill(~key_valid, 1)  # what generate() gives padding positions
     else:
-        mask_pos = torch.arange(key_length, device=device).expand(batch_size, key_length)
+        mask_pos = key_index.expand(batch_size, key_length)
 
-    if position_ids is None:
-        q_pos = mask_pos[:, past_length:]
+    if static_buffer:  # slots not written yet (this call's tokens included) are invisible
+        query_index = past_length + torch.arange(query_length, device=device)  # key index of every query
+        written = (key_index < past_length + query_length).expand(batch_size, key_length)
+        key_valid = written if key_valid is None else key_valid & written
+        q_pos = mask_pos.index_select(1, query_index) if position_ids is None else (
+            position_ids.to(device=device, dtype=torch.long).expand(batch_size, query_length))
+        k_pos = mask_pos.index_copy(1, query_index, q_pos)
     else:
-        q_pos = position_ids.to(device=device, dtype=torch.long).expand(batch_size, query_length)
-    k_pos = torch.cat([mask_pos[:, :past_length], q_pos], dim=1)
+        q_pos = mask_pos[:, past_length:] if position_ids is None else (
+            position_ids.to(device=device, dtype=torch.long).expand(batch_size, query_length))
+        k_pos = torch.cat([mask_pos[:, :past_length], q_pos], dim=1)
 
     # Segments: packed documents are only meaningful without a cache (training / scoring).
     if cu_seq_lens is not None:
         lengths = cu_seq_lens.diff().to(device)
         seg = torch.repeat_interleave(torch.arange(lengths.numel(), device=device), lengths)
         seg = seg[:key_length].expand(batch_size, key_length)
-    elif past_length == 0 and position_ids is not None:
+    elif not static_buffer and past_length == 0 and position_ids is not None:
         diff = torch.diff(k_pos, dim=-1, prepend=k_pos[:, :1] - 1)
         seg = (diff != 1).long().cumsum(-1)
     else:
         seg = torch.zeros(batch_size, key_length, dtype=torch.int32, device=device)
     seg = seg.to(torch.int32)
-    if key_valid is None:
+    if static_buffer:
+        k_seg = seg.masked_fill(~key_valid, -1).contiguous()
+        q_seg = seg.index_select(1, query_index).masked_fill(~key_valid.index_select(1, query_index), -2)
+        q_seg = q_seg.contiguous()
+    elif key_valid is None:
         k_seg, q_seg = seg.contiguous(), seg[:, past_length:].contiguous()
     else:
         k_seg = seg.masked_fill(~key_valid, -1).contiguous()
         q_seg = seg[:, past_length:].masked_fill(~key_valid[:, past_length:], -2).contiguous()
     q_pos, k_pos = q_pos.contiguous(), k_pos.contiguous()
 
-    if attention_mask is None and position_ids is None and cu_seq_lens is None:
+    if static_buffer:
+        causal = False  # the buffer holds unwritten slots: the general path masks them
+    elif attention_mask is None and position_ids is None and cu_seq_lens is None:
         causal = True  # known without looking at the data (and without a host sync under torch.compile)
     elif torch.compiler.is_compiling():
         causal = False  # a data-dependent check would break the graph; the general path is exact
@@ -135,7 +170,8 @@ def lazy_visibility(metadata: LazyMetadata) -> torch.Tensor:
     """`[B, 1, Tq, Tk]` bool: query i sees key j (same segment and `j <= i + key_offset`)."""
     q_len, k_len = metadata.q_pos.shape[1], metadata.key_length
     device = metadata.q_pos.device
-    causal = torch.arange(k_len, device=device)[None, :] <= torch.arange(q_len, device=device)[:, None] + metadata.key_offset
+    query_key_index = torch.arange(q_len, device=device)[:, None] + metadata.key_offset
+    causal = torch.arange(k_len, device=device)[None, :] <= query_key_index
     return ((metadata.q_seg[:, :, None] == metadata.k_seg[:, None, :]) & causal)[:, None]
 
 
@@ -153,15 +189,18 @@ def compute_dtype(query: torch.Tensor) -> torch.dtype:
     return torch.float64 if query.dtype == torch.float64 else torch.float32
 
 
-def lazy_attention_reference(query, key, value, tau, distance_bias, metadata: LazyMetadata, scaling: float):
+def lazy_attention_reference(query, key, value, tau, distance_bias, metadata: LazyMetadata, scaling: float,
+                             dropout: float = 0.0):
     """Plain Lazy Attention that materialises the weights (the `"eager"` implementation).
 
     Args:
         query: `[B, Hq, Tq, D]`; key, value: `[B, Hkv, >= Tk, D]` (any float dtype; math in float32, or
             float64 for float64 inputs). Only the first `metadata.key_length` keys are read.
         tau: `[Hq]`; distance_bias: `[Hq, W]`; metadata: from `lazy_attention_metadata`.
+        dropout: probability of dropping a weight `a_ij` before `a @ V` (the survivors are scaled by
+            `1 / (1 - dropout)`, as Llama's eager attention does with softmax weights); 0 in evaluation.
     Returns:
-        `(out [B, Tq, Hq, D] in the query dtype, weights [B, Hq, Tq, Tk] after the ReLU)`.
+        `(out [B, Tq, Hq, D] in the query dtype, weights [B, Hq, Tq, Tk] after the ReLU and dropout)`.
     """
     groups = query.shape[1] // key.shape[1]
     dtype = compute_dtype(query)
@@ -177,6 +216,8 @@ def lazy_attention_reference(query, key, value, tau, distance_bias, metadata: La
     probs = torch.exp(scores - lse)
     n = (metadata.q_pos + 1).to(dtype)[:, None, :, None]
     weights = torch.relu(probs + tau.to(dtype)[None, :, None, None] / n) * (visible & alive)
+    if dropout > 0:
+        weights = torch.nn.functional.dropout(weights, p=dropout, training=True)
     out = torch.matmul(weights, v).to(query.dtype)
     return out.transpose(1, 2).contiguous(), weights
 

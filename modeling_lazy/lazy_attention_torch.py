@@ -34,8 +34,9 @@ _MIN_ROWS = 16
 def _chunk_rows(bsz: int, num_heads: int, q_len: int, k_len: int) -> int:
     """Query rows per chunk. Every op of a chunk is one parallel region whose start-up cost grows with the
     thread count, so the score buffer grows with the threads; it never depends on L beyond `rows * k_len`,
-    so extra memory stays linear in L."""
-    budget = _CHUNK_ELEMENTS * max(1, torch.get_num_threads())
+    so extra memory stays linear in L. (Under torch.compile the thread count is not traceable: one thread's budget.)"""
+    threads = 1 if torch.compiler.is_compiling() else torch.get_num_threads()
+    budget = _CHUNK_ELEMENTS * max(1, threads)
     rows = budget // max(1, bsz * num_heads * k_len)
     return int(min(q_len, max(_MIN_ROWS, rows)))
 
@@ -215,7 +216,8 @@ class _ChunkState:
     def __init__(self, q, k, tau, distance_bias, metadata: LazyMetadata, visible, start, stop, lse=None):
         # q: [B, Hkv, G, Tq, D] already scaled, k: [B, Hkv, Tk, D] in the compute dtype (GQA never repeats k or v)
         bsz, kv_heads, groups, _, dim = q.shape
-        self.k_end = min(k.shape[2], stop + metadata.key_offset)  # keys past the chunk's last row are never visible
+        # keys past the chunk's last row are never visible (a static buffer's offset is a tensor: read them all)
+        self.k_end = k.shape[2] if metadata.static_buffer else min(k.shape[2], stop + metadata.key_offset)
         rows = stop - start
         self.q = q[:, :, :, start:stop].reshape(bsz, kv_heads, groups * rows, dim)
         self.k = k[:, :, : self.k_end]

@@ -811,6 +811,9 @@ def _backward(grad_out, query, key, value, tau, distance_bias, q_pos, k_pos, q_s
 def _kernel_inputs(key, value, metadata: "LazyMetadata"):
     """`(key, value, (q_pos, k_pos, q_seg, k_seg) int32)`: keys cut to the metadata (a static cache hands over
     a longer buffer) and the per-token metadata the kernels read."""
+    if metadata.static_buffer:  # the kernels take the key offset from the shapes (Tk - Tq)
+        raise ValueError("lazy_attention_triton needs an int key_offset (keys cut to the written length); a static "
+                         "cache's whole buffer (torch.compile) goes to the PyTorch path.")
     k_len = metadata.key_length
     return key[:, :, :k_len], value[:, :, :k_len], (metadata.q_pos32, metadata.k_pos32, metadata.q_seg, metadata.k_seg)
 

@@ -2,7 +2,8 @@
 
 Read top to bottom in the order data flows: the attention functions (`eager` reference and the fused
 `lazy` one), the attention module with its two new parameters, the decoder layer, the pre-trained base
-class, the base model and the causal-LM head. Everything not listed here is Llama's, reused unchanged.
+class, the base model, the causal-LM head and Llama's three task heads. Everything not listed here is
+Llama's, reused unchanged.
 The math and the attention backends are described in docs/design.md (in the LazyLlama repository).
 
 The file only uses sibling imports, so it travels flat with a checkpoint (`trust_remote_code=True`).
@@ -14,20 +15,32 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
+from transformers import AutoModel
 from transformers import initialization as init
 from transformers.cache_utils import Cache, DynamicCache
 from transformers.generation import GenerationMixin
-from transformers.masking_utils import AttentionMaskInterface
-from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.masking_utils import AttentionMaskInterface, prepare_padding_mask
+from transformers.modeling_layers import (
+    GenericForQuestionAnswering,
+    GenericForSequenceClassification,
+    GenericForTokenClassification,
+    GradientCheckpointingLayer,
+)
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface, PreTrainedModel
+from transformers.modeling_utils import (
+    ALL_ATTENTION_FUNCTIONS,
+    AttentionInterface,
+    PreTrainedModel,
+    slice_logits_to_keep,
+)
 from transformers.models.llama.modeling_llama import (
     LlamaMLP,
     LlamaRMSNorm,
     LlamaRotaryEmbedding,
     apply_rotary_pos_emb,
 )
-from transformers.utils import can_return_tuple
+from transformers.utils import can_return_tuple, logging
+from transformers.utils.deprecation import deprecate_kwarg
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
@@ -44,6 +57,8 @@ except ImportError:  # triton not installed (CPU-only or Hub users): the PyTorch
     lazy_attention_triton = None
 
 
+logger = logging.get_logger(__name__)
+
 BACKEND_ENV = "LAZY_ATTENTION_BACKEND"
 # Name of the cache field of model outputs: `cache` since transformers 5.2x, `past_key_values` before.
 CACHE_FIELD = "cache" if "cache" in BaseModelOutputWithPast.__dataclass_fields__ else "past_key_values"
@@ -53,7 +68,13 @@ REFUSED_IMPLEMENTATIONS = ("sdpa", "flash_attention_2", "flash_attention_3", "fl
 
 
 def _lazy_backend(query: torch.Tensor) -> str:
-    """`"triton"` or `"torch"` for this call, from `LAZY_ATTENTION_BACKEND` (auto | triton | torch)."""
+    """`"triton"` or `"torch"` for this call, from `LAZY_ATTENTION_BACKEND` (auto | triton | torch).
+
+    Under torch.compile the PyTorch path is traced (inductor fuses it; no graph break, and a static cache's
+    whole buffer needs its tensor key offset); the Triton kernels serve eager calls.
+    """
+    if torch.compiler.is_compiling():
+        return "torch"
     choice = os.environ.get(BACKEND_ENV, "auto").strip().lower()
     if choice not in ("auto", "triton", "torch"):
         raise ValueError(f"{BACKEND_ENV} must be one of auto, triton, torch; got {choice!r}.")
@@ -81,13 +102,15 @@ def eager_lazy_attention_forward(
     dropout: float = 0.0,
     **kwargs,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Reference Lazy Attention that materialises `a_ij` (after the ReLU); supports `output_attentions`.
+    """Reference Lazy Attention that materialises `a_ij` (after the ReLU); supports `output_attentions` and dropout.
 
     query `[B, Hq, Tq, D]`, key/value `[B, Hkv, Tk, D]`; the mask information arrives as
-    `kwargs["lazy_metadata"]`, the `LazyMetadata` built once per forward by the model.
+    `kwargs["lazy_metadata"]`, the `LazyMetadata` built once per forward by the model. `dropout` (training
+    only) drops weights `a_ij` as Llama's eager attention drops softmax weights.
     Returns `(out [B, Tq, Hq, D], weights [B, Hq, Tq, Tk] float32)`.
     """
-    return lazy_attention_reference(query, key, value, module.tau, module.distance_bias, kwargs["lazy_metadata"], scaling)
+    return lazy_attention_reference(query, key, value, module.tau, module.distance_bias, kwargs["lazy_metadata"],
+                                     scaling, dropout=dropout)
 
 
 def lazy_attention_forward(
@@ -102,7 +125,8 @@ def lazy_attention_forward(
 ) -> tuple[torch.Tensor, None]:
     """Fused Lazy Attention: Triton kernels on CUDA, the chunked exact PyTorch path elsewhere.
 
-    Same inputs as `eager_lazy_attention_forward`; returns `(out [B, Tq, Hq, D], None)`.
+    Same inputs as `eager_lazy_attention_forward` (the attention module routes calls that need weights or
+    dropout to that one); returns `(out [B, Tq, Hq, D], None)`.
     """
     fused = lazy_attention_triton if _lazy_backend(query) == "triton" else lazy_attention_torch
     return fused(query, key, value, module.tau, module.distance_bias, kwargs["lazy_metadata"], scaling), None
@@ -147,12 +171,14 @@ class LazyLlamaAttention(nn.Module):
         self.tau = nn.Parameter(torch.empty(self.num_heads, dtype=torch.float32))
         self.distance_bias = nn.Parameter(torch.empty(self.num_heads, config.lazy_bias_window, dtype=torch.float32))
 
+    @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
     def forward(
         self,
         hidden_states: torch.Tensor,
         position_embeddings: tuple[torch.Tensor, torch.Tensor],
         lazy_metadata: LazyMetadata,
         cache: Cache | None = None,
+        output_attentions: bool = False,
         **kwargs,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         input_shape = hidden_states.shape[:-1]
@@ -174,13 +200,21 @@ class LazyLlamaAttention(nn.Module):
         attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
             self.config._attn_implementation, eager_lazy_attention_forward
         )
+        dropout = self.attention_dropout if self.training else 0.0
+        if attention_interface is not eager_lazy_attention_forward and (output_attentions or dropout > 0):
+            # The fused path never materialises the weights (and has no dropout): this call uses the reference.
+            logger.warning_once(
+                f'attn_implementation="{implementation}" computes calls with output_attentions=True or attention '
+                "dropout (training) with the reference (eager) Lazy Attention, which materialises the L x L weights."
+            )
+            attention_interface = eager_lazy_attention_forward
         attn_output, attn_weights = attention_interface(
             self,
             query_states,
             key_states,
             value_states,
             None,
-            dropout=0.0 if not self.training else self.attention_dropout,
+            dropout=dropout,
             scaling=self.scaling,
             lazy_metadata=lazy_metadata,
         )
@@ -216,6 +250,7 @@ class LazyLlamaDecoderLayer(GradientCheckpointingLayer):
         self.input_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
+    @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
     def forward(
         self,
         hidden_states: torch.Tensor,
@@ -242,11 +277,16 @@ class LazyLlamaDecoderLayer(GradientCheckpointingLayer):
 
 
 # Files that make a checkpoint self-contained for `trust_remote_code=True` (all flat, sibling imports).
-MODELING_FILES = ("modeling_lazy.py", "lazy_attention_reference.py", "lazy_attention_torch.py", "lazy_attention_triton.py")
+MODELING_FILES = (
+    "modeling_lazy.py", "lazy_attention_reference.py", "lazy_attention_torch.py", "lazy_attention_triton.py",
+)
 AUTO_MAP = {
     "AutoConfig": "configuration_lazy.LazyLlamaConfig",
     "AutoModel": "modeling_lazy.LazyLlamaModel",
     "AutoModelForCausalLM": "modeling_lazy.LazyLlamaForCausalLM",
+    "AutoModelForSequenceClassification": "modeling_lazy.LazyLlamaForSequenceClassification",
+    "AutoModelForTokenClassification": "modeling_lazy.LazyLlamaForTokenClassification",
+    "AutoModelForQuestionAnswering": "modeling_lazy.LazyLlamaForQuestionAnswering",
 }
 
 
@@ -270,7 +310,7 @@ class LazyLlamaPreTrainedModel(PreTrainedModel):
     _supports_flash_attn = False
     _supports_flex_attn = False
     _supports_attention_backend = False
-    _can_compile_fullgraph = False
+    _can_compile_fullgraph = True  # static-cache decode traces to one graph (tests/test_conformance.py)
     _keep_in_fp32_modules_strict = list(LAZY_PARAMETER_NAMES)
     _can_record_outputs = {
         "hidden_states": LazyLlamaDecoderLayer,
@@ -288,6 +328,23 @@ class LazyLlamaPreTrainedModel(PreTrainedModel):
         raise ValueError(
             f'Unknown attn_implementation="{requested_attention}" for LazyLlama: use "lazy" (default) or "eager".'
         )
+
+    @classmethod
+    def prepare_distribute_model(cls, distributed_config, device_map=None):
+        """`from_pretrained(distributed_config=...)`, refusing FSDP2's parameter-casting mixed precision.
+
+        `fsdp_mixed_precision=True` makes FSDP2 hand every parameter of a layer to the forward in bfloat16,
+        `tau` and `distance_bias` included (one dtype per sharding group); they must stay float32. Autocast
+        (`Trainer`'s `bf16=True`) keeps FSDP's weights float32 and runs the matmuls in bfloat16.
+        """
+        config = distributed_config if isinstance(distributed_config, dict) else vars(distributed_config or {})
+        if config.get("fsdp_mixed_precision"):
+            raise ValueError(
+                "DistributedConfig(fsdp_mixed_precision=True) would cast tau and distance_bias to bfloat16 for the "
+                "forward; LazyLlama keeps them float32. Leave it False and train with Trainer's bf16=True (autocast): "
+                "FSDP2 keeps float32 weights and the matmuls run in bfloat16."
+            )
+        return super().prepare_distribute_model(distributed_config, device_map=device_map)
 
     @torch.no_grad()
     def _init_weights(self, module):
@@ -323,6 +380,41 @@ class LazyLlamaPreTrainedModel(PreTrainedModel):
         return super().push_to_hub(repo_id, *args, tags=tags, **kwargs)
 
 
+def _cache_lengths(cache: Cache | None, query_length: int) -> tuple[int | torch.Tensor, int]:
+    """`(past, key_length)`: cached tokens before this call, and how many keys the layers attend over.
+
+    Eager calls cut the keys to `past + query_length` (a static cache's unwritten slots are never read).
+    Under torch.compile a static cache keeps its length as a tensor: reading it as an int would sync with
+    the host and recompile at every step, so the layers attend over the cache's whole fixed-size buffer
+    (`get_mask_sizes`) with the unwritten slots masked, and `past` stays a tensor (a copy: the cache
+    advances it in place while the layers run).
+    """
+    if cache is None:
+        return 0, query_length
+    past = cache.get_seq_length()
+    if isinstance(past, torch.Tensor):
+        if torch.compiler.is_compiling():
+            return past.clone(), cache.get_mask_sizes(query_length, 0)[0]
+        past = int(past)
+    return past, past + query_length
+
+
+def _fit_padding_mask(attention_mask, key_length: int, past, query_length: int, cache: Cache | None):
+    """The 2-D padding mask cut or padded to the `key_length` keys this call attends over.
+
+    A mask of `[B, past + query_length]` is the contract. For a static cache, `generate()` passes it padded
+    with zeros to the cache's buffer length (so that its shape is fixed while decoding): eager calls cut it,
+    compiled calls (`key_length` = buffer length) keep it. Other shapes are left for the metadata to refuse.
+    """
+    if attention_mask is None or attention_mask.dim() != 2 or attention_mask.shape[-1] == key_length:
+        return attention_mask
+    if isinstance(past, torch.Tensor):  # compiled static cache: the mask may be shorter than the buffer
+        return prepare_padding_mask(attention_mask, key_length, 0)
+    if cache is not None and attention_mask.shape[-1] == cache.get_mask_sizes(query_length, 0)[0]:
+        return attention_mask[:, :key_length]
+    return attention_mask
+
+
 class LazyLlamaModel(LazyLlamaPreTrainedModel):
     def __init__(self, config: LazyLlamaConfig):
         super().__init__(config)
@@ -337,6 +429,7 @@ class LazyLlamaModel(LazyLlamaPreTrainedModel):
         self.gradient_checkpointing = False
         self.post_init()
 
+    @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
     @merge_with_config_defaults
     @capture_outputs
     def forward(
@@ -347,7 +440,6 @@ class LazyLlamaModel(LazyLlamaPreTrainedModel):
         cache: Cache | None = None,
         inputs_embeds: torch.Tensor | None = None,
         use_cache: bool | None = None,
-        past_key_values: Cache | None = None,
         **kwargs,
     ) -> BaseModelOutputWithPast:
         """Like `LlamaModel.forward`; `attention_mask` must be the 2-D `[B, past + T]` padding mask.
@@ -357,14 +449,6 @@ class LazyLlamaModel(LazyLlamaPreTrainedModel):
         """
         if (input_ids is None) ^ (inputs_embeds is not None):
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
-        if cache is None:
-            cache = past_key_values
-        if kwargs.get("output_attentions") and self.config._attn_implementation != "eager":
-            raise ValueError(
-                'output_attentions=True needs attn_implementation="eager" (the fused "lazy" path never '
-                'materialises the weights): load with attn_implementation="eager" or call '
-                'model.set_attn_implementation("eager").'
-            )
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
         if use_cache and cache is None:
@@ -373,10 +457,14 @@ class LazyLlamaModel(LazyLlamaPreTrainedModel):
         bsz, q_len = inputs_embeds.shape[:2]
         if q_len == 0:
             raise ValueError("The input has no tokens (input_ids of shape [batch, 0]): give at least one per row.")
-        past = cache.get_seq_length() if cache is not None else 0
+        past, key_length = _cache_lengths(cache, q_len)
+        attention_mask = _fit_padding_mask(attention_mask, key_length, past, q_len, cache)
         lazy_metadata = lazy_attention_metadata(
-            attention_mask, position_ids, past, q_len, bsz, inputs_embeds.device, kwargs.get("cu_seq_lens_q")
+            attention_mask, position_ids, past, q_len, bsz, inputs_embeds.device, kwargs.get("cu_seq_lens_q"),
+            key_length=key_length,
         )
+        # the same rule as `capture_outputs`: the weights it records are the ones the layers return
+        output_attentions = bool(kwargs.get("output_attentions", self.config.output_attentions))
         hidden_states = inputs_embeds
         position_embeddings = self.rotary_emb(hidden_states, position_ids=lazy_metadata.q_pos)
         for decoder_layer in self.layers[: self.config.num_hidden_layers]:
@@ -385,6 +473,7 @@ class LazyLlamaModel(LazyLlamaPreTrainedModel):
                 position_embeddings=position_embeddings,
                 lazy_metadata=lazy_metadata,
                 cache=cache,
+                output_attentions=output_attentions,
             )
         hidden_states = self.norm(hidden_states)
         return BaseModelOutputWithPast(last_hidden_state=hidden_states, **{CACHE_FIELD: cache})
@@ -392,7 +481,9 @@ class LazyLlamaModel(LazyLlamaPreTrainedModel):
 
 class LazyLlamaForCausalLM(LazyLlamaPreTrainedModel, GenerationMixin):
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+    _tp_plan = {"lm_head": "colwise_gather_output"}
     _pp_plan = {"lm_head": (["hidden_states"], ["logits"])}
+    _fsdp_plan = {"lm_head": "keep_full_weight"}
 
     def __init__(self, config: LazyLlamaConfig):
         super().__init__(config)
@@ -401,6 +492,7 @@ class LazyLlamaForCausalLM(LazyLlamaPreTrainedModel, GenerationMixin):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
 
+    @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
     @can_return_tuple
     def forward(
         self,
@@ -412,7 +504,6 @@ class LazyLlamaForCausalLM(LazyLlamaPreTrainedModel, GenerationMixin):
         labels: torch.LongTensor | None = None,
         use_cache: bool | None = None,
         logits_to_keep: int | torch.Tensor = 0,
-        past_key_values: Cache | None = None,
         **kwargs,
     ) -> CausalLMOutputWithPast:
         """Like `LlamaForCausalLM.forward`: logits `[B, T, vocab]` (or the last `logits_to_keep`), optional loss."""
@@ -420,14 +511,13 @@ class LazyLlamaForCausalLM(LazyLlamaPreTrainedModel, GenerationMixin):
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
-            cache=cache if cache is not None else past_key_values,
+            cache=cache,
             inputs_embeds=inputs_embeds,
             use_cache=use_cache,
             **kwargs,
         )
-        hidden_states = outputs.last_hidden_state
-        slice_indices = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
-        logits = self.lm_head(hidden_states[:, slice_indices, :])
+        hidden_states = slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep)
+        logits = self.lm_head(hidden_states)
 
         loss = None
         if labels is not None:
@@ -441,5 +531,50 @@ class LazyLlamaForCausalLM(LazyLlamaPreTrainedModel, GenerationMixin):
             **{CACHE_FIELD: getattr(outputs, CACHE_FIELD)},
         )
 
+    def create_masks_for_generate(self, config, inputs_embeds, attention_mask, cache, **kwargs):
+        """What `generate()` passes as `attention_mask` with a compilable (static) cache.
 
-__all__ = ["LazyLlamaForCausalLM", "LazyLlamaModel", "LazyLlamaPreTrainedModel", "LazyLlamaConfig"]
+        Llama gets a 4-D mask there; LazyLlama needs the 2-D padding mask (Elastic-Softmax's `n_i` comes
+        from it), padded with zeros to the cache's buffer length so that its shape stays fixed while decoding.
+        """
+        if attention_mask is None or attention_mask.dim() != 2 or cache is None:
+            return attention_mask
+        kv_length, kv_offset = cache.get_mask_sizes(inputs_embeds.shape[1], 0)
+        return prepare_padding_mask(attention_mask, kv_length, kv_offset)
+
+
+class _LazyLlamaTaskHead:
+    """Base of the task heads: transformers' generic heads build their base model with `AutoModel.from_config`;
+    this registers `LazyLlamaModel` for the config's class first. (A trust_remote_code copy loads the config and
+    the model code as separately hashed modules, so a registration at import time would name another class.)"""
+
+    def __init__(self, config: LazyLlamaConfig):
+        AutoModel.register(type(config), LazyLlamaModel, exist_ok=True)
+        super().__init__(config)
+
+
+# Llama's three task heads: transformers' generic heads on a LazyLlamaModel (`base_model_prefix = "model"`, so a
+# causal-LM checkpoint loads into them with only the new head initialised).
+class LazyLlamaForSequenceClassification(
+    _LazyLlamaTaskHead, GenericForSequenceClassification, LazyLlamaPreTrainedModel
+):
+    ...
+
+
+class LazyLlamaForTokenClassification(_LazyLlamaTaskHead, GenericForTokenClassification, LazyLlamaPreTrainedModel):
+    ...
+
+
+class LazyLlamaForQuestionAnswering(_LazyLlamaTaskHead, GenericForQuestionAnswering, LazyLlamaPreTrainedModel):
+    ...
+
+
+__all__ = [
+    "LazyLlamaConfig",
+    "LazyLlamaForCausalLM",
+    "LazyLlamaForQuestionAnswering",
+    "LazyLlamaForSequenceClassification",
+    "LazyLlamaForTokenClassification",
+    "LazyLlamaModel",
+    "LazyLlamaPreTrainedModel",
+]

@@ -4,9 +4,9 @@ import copy
 
 import pytest
 import torch
+from conftest import tiny_model
 from transformers import DynamicCache
 
-from conftest import tiny_model
 from modeling_lazy.modeling_lazy import CACHE_FIELD
 
 
@@ -62,8 +62,10 @@ def test_left_padded_batch_equals_each_prompt_alone(model):
         mask[row, width - len(p):] = 1
     batched = _greedy(model, ids, attention_mask=mask)
     for row, p in enumerate(prompts):
-        alone = _greedy(model, p[None], attention_mask=torch.ones(1, len(p), dtype=torch.long))
-        assert torch.equal(batched[row, width:], alone[0, len(p):]), f"row {row}"
+        alone = _greedy(model, p[None], attention_mask=torch.ones(1, len(p), dtype=torch.long))[0, len(p):]
+        # a row that reached EOS alone stops there; in the batch it is then filled with padding
+        assert torch.equal(batched[row, width:width + len(alone)], alone), f"row {row}"
+        assert (batched[row, width + len(alone):] == 0).all(), f"row {row}"
 
 
 def test_sampling_and_beam_search_run(model):

@@ -4,11 +4,11 @@ import json
 
 import pytest
 import torch
+from conftest import tiny_config, tiny_model
+from reference64 import lazy_llama_logits64
 from transformers import AutoConfig, LlamaConfig, LlamaForCausalLM
 
-from conftest import randomize_lazy, tiny_config, tiny_model
 from modeling_lazy import LazyLlamaConfig, LazyLlamaForCausalLM
-from reference64 import lazy_llama_logits64
 
 IMPLEMENTATIONS = ["eager", "lazy"]
 
@@ -202,18 +202,29 @@ def test_softmax_only_implementations_are_refused(refused):
         model.set_attn_implementation(refused)
 
 
-def test_default_implementation_is_lazy_and_output_attentions_needs_eager(tmp_path):
+def test_default_implementation_is_lazy_and_output_attentions_uses_the_reference(caplog):
+    """`output_attentions=True` on the fused default answers with the reference weights (one warning), like eager."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.warning_once.cache_clear()  # another test may have warned already
     model = tiny_model()
     assert model.config._attn_implementation == "lazy"
     ids = torch.randint(3, 97, (1, 10))
-    with pytest.raises(ValueError, match="eager"):
+    plain = model(ids).logits
+    with caplog.at_level("WARNING"):
+        out = model(ids, output_attentions=True)
         model(ids, output_attentions=True)
-    model.set_attn_implementation("eager")
-    out = model(ids, output_attentions=True)
+    assert sum("output_attentions=True" in r.getMessage() for r in caplog.records) == 1  # warned once
+    assert model.config._attn_implementation == "lazy"  # only that call used the reference
+    torch.testing.assert_close(out.logits, plain, atol=1e-5, rtol=1e-5)
     assert len(out.attentions) == 2 and out.attentions[0].shape == (1, 4, 10, 10)
     weights = out.attentions[0]
     assert torch.all(weights >= 0) and torch.all(weights.triu(1) == 0)
     assert (weights == 0).any()  # Elastic-Softmax gives exact zeros with tau < 0 heads
+    model.set_attn_implementation("eager")
+    eager = model(ids, output_attentions=True)
+    for a, b in zip(out.attentions, eager.attentions):
+        torch.testing.assert_close(a, b)
 
 
 def test_backend_environment_variable(monkeypatch):

@@ -42,6 +42,9 @@ AUTO_MAP = {
     "AutoConfig": "configuration_lazy.LazyLlamaConfig",
     "AutoModel": "modeling_lazy.LazyLlamaModel",
     "AutoModelForCausalLM": "modeling_lazy.LazyLlamaForCausalLM",
+    "AutoModelForSequenceClassification": "modeling_lazy.LazyLlamaForSequenceClassification",
+    "AutoModelForTokenClassification": "modeling_lazy.LazyLlamaForTokenClassification",
+    "AutoModelForQuestionAnswering": "modeling_lazy.LazyLlamaForQuestionAnswering",
 }
 TEXTS = ["w1 w2 w3 w4 w5 w6 w7 w8", "w9 w3 w3 w7"]
 BASE_MODEL = "HuggingFaceTB/SmolLM2-135M"

@@ -4,9 +4,9 @@ import json
 import os
 
 import torch
+from conftest import run_without_project, tiny_model
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
-from conftest import run_without_project, tiny_model
 from modeling_lazy import LazyLlamaConfig, LazyLlamaForCausalLM, LazyLlamaModel
 
 
@@ -19,6 +19,9 @@ def test_auto_round_trip_keeps_tau_and_bias(tmp_path, rng_seed):
         "AutoConfig": "configuration_lazy.LazyLlamaConfig",
         "AutoModel": "modeling_lazy.LazyLlamaModel",
         "AutoModelForCausalLM": "modeling_lazy.LazyLlamaForCausalLM",
+        "AutoModelForSequenceClassification": "modeling_lazy.LazyLlamaForSequenceClassification",
+        "AutoModelForTokenClassification": "modeling_lazy.LazyLlamaForTokenClassification",
+        "AutoModelForQuestionAnswering": "modeling_lazy.LazyLlamaForQuestionAnswering",
     }
     for name in ("configuration_lazy.py", "modeling_lazy.py", "lazy_attention_torch.py"):
         assert (tmp_path / name).is_file(), name

@@ -1,0 +1,460 @@
+"""LazyLlama behaves like a first-class transformers model (what transformers' own Llama suite checks, in our words):
+static caches, torch.compile, inputs past `max_position_embeddings`, attention weights and dropout, the three task
+heads, and the deprecated `past_key_values` name. Distributed runs (TP, FSDP2) are in test_distributed.py."""
+
+import copy
+import os
+import warnings
+from collections import defaultdict
+from unittest import mock
+
+import pytest
+import torch
+from conftest import randomize_lazy, run_without_project, tiny_config, tiny_model
+from reference64 import lazy_llama_logits64
+from transformers import (
+    AutoModelForQuestionAnswering,
+    AutoModelForSequenceClassification,
+    AutoModelForTokenClassification,
+    CompileConfig,
+    DataCollatorWithFlattening,
+    DynamicCache,
+    LlamaConfig,
+    LlamaForCausalLM,
+    StaticCache,
+)
+
+from modeling_lazy import (
+    LazyLlamaForCausalLM,
+    LazyLlamaForQuestionAnswering,
+    LazyLlamaForSequenceClassification,
+    LazyLlamaForTokenClassification,
+    LazyLlamaModel,
+)
+
+
+def left_padded(lengths, vocab=97):
+    """`(ids, mask)` `[B, max(lengths)]`: random prompts of the given lengths, left-padded with token 0."""
+    width = max(lengths)
+    ids = torch.zeros(len(lengths), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, n in enumerate(lengths):
+        ids[row, width - n:] = torch.randint(3, vocab, (n,))
+        mask[row, width - n:] = 1
+    return ids, mask
+
+
+def llama_twin(config) -> LlamaForCausalLM:
+    """A Llama with the same config (the lazy_* fields dropped)."""
+    return LlamaForCausalLM(LlamaConfig(**{k: v for k, v in config.to_dict().items() if not k.startswith("lazy_")}))
+
+
+# ------------------------------------------------------------------------------------------------ static cache
+
+def _chunked_logits(model, ids, mask, cache, chunks, pad_mask_to=None):
+    """Feed `ids` in chunks through `cache`; the mask grows with the tokens seen (or is padded to `pad_mask_to`,
+    as `generate()` passes it for a static cache)."""
+    logits, start = [], 0
+    for size in chunks:
+        stop = start + size
+        step_mask = None if mask is None else mask[:, :stop]
+        if step_mask is not None and pad_mask_to is not None:
+            step_mask = torch.nn.functional.pad(step_mask, (0, pad_mask_to - stop))
+        out = model(ids[:, start:stop], attention_mask=step_mask, cache=cache, use_cache=True)
+        logits.append(out.logits)
+        start = stop
+    return torch.cat(logits, 1)
+
+
+@pytest.mark.parametrize("implementation", ["lazy", "eager"])
+def test_static_cache_logits_equal_dynamic_cache(implementation, rng_seed):
+    """Prefill, single-token and multi-token steps through a StaticCache (which hands every layer its whole
+    preallocated buffer) give the dynamic cache's logits to 1e-5 on a model whose tau and bias matter."""
+    model = tiny_model(attn_implementation=implementation)
+    ids, mask = left_padded([14, 9])
+    chunks = [8, 1, 3, 1, 1]
+    valid = mask.bool()
+    dynamic = _chunked_logits(model, ids, mask, DynamicCache(config=model.config), chunks)
+    full = model(ids, attention_mask=mask).logits
+    assert (dynamic - full)[valid].abs().max() < 1e-5
+    for pad_to in (None, 20):  # the mask as users pass it, and padded to the buffer as generate() passes it
+        static = _chunked_logits(model, ids, mask, StaticCache(config=model.config, max_cache_len=20), chunks, pad_to)
+        assert (static - dynamic)[valid].abs().max() < 1e-5, pad_to
+    # no mask at all (the call in the bug report)
+    plain = _chunked_logits(model, ids, None, StaticCache(config=model.config, max_cache_len=16), chunks)
+    reference = _chunked_logits(model, ids, None, DynamicCache(config=model.config), chunks)
+    assert (plain - reference).abs().max() < 1e-5
+
+
+NEEDS_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="transformers offloads through CUDA streams")
+
+
+def _greedy(model, ids, mask, **kwargs):
+    return model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0,
+                          eos_token_id=None, **kwargs)
+
+
+@pytest.mark.parametrize("implementation, cache_implementation", [
+    ("lazy", "static"), ("eager", "static"), ("lazy", "sliding_window"),
+    pytest.param("lazy", "offloaded", marks=NEEDS_CUDA),
+    pytest.param("lazy", "offloaded_static", marks=NEEDS_CUDA),
+])
+def test_generate_with_cache_implementation_equals_dynamic(implementation, cache_implementation, rng_seed):
+    """Greedy tokens of a left-padded batch are those of the default dynamic cache ("sliding_window" gives Llama,
+    which has no sliding layers, a static cache)."""
+    model = tiny_model(attn_implementation=implementation)
+    ids, mask = left_padded([7, 3, 5])
+    if torch.cuda.is_available() and "offloaded" in cache_implementation:
+        model, ids, mask = model.cuda(), ids.cuda(), mask.cuda()
+    reference = _greedy(model, ids, mask)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert torch.equal(_greedy(model, ids, mask, cache_implementation=cache_implementation), reference)
+
+
+def test_static_cache_beam_search_and_continuation(rng_seed):
+    """Beam search reorders a StaticCache like a dynamic one; a user's StaticCache carries over to a second call."""
+    model = tiny_model()
+    ids, mask = left_padded([6, 4])
+    beams = dict(num_beams=3, num_return_sequences=2)
+    static = _greedy(model, ids, mask, cache_implementation="static", **beams)
+    assert torch.equal(static, _greedy(model, ids, mask, **beams))
+
+    prompt = ids[:1, -4:]
+    cache = StaticCache(config=model.config, max_cache_len=32)
+    first = model.generate(prompt, max_new_tokens=4, do_sample=False, pad_token_id=0, eos_token_id=None, cache=cache)
+    follow = torch.cat([first, torch.randint(3, 97, (1, 2))], 1)
+    continued = model.generate(follow, max_new_tokens=4, do_sample=False, pad_token_id=0, eos_token_id=None,
+                               cache=cache)
+    fresh = model.generate(follow, max_new_tokens=4, do_sample=False, pad_token_id=0, eos_token_id=None)
+    assert torch.equal(continued, fresh)
+
+
+def test_assisted_and_prompt_lookup_decoding_equal_greedy(rng_seed):
+    """Candidate-verifying decoding (a LazyLlama assistant, prompt lookup) crops and re-extends the cache: the
+    tokens are plain greedy's."""
+    model, assistant = tiny_model(), tiny_model(num_hidden_layers=1)
+    prompt = torch.randint(3, 97, (1, 6)).repeat(1, 2)  # repeated n-grams give prompt lookup candidates
+    kwargs = dict(max_new_tokens=10, do_sample=False, pad_token_id=0, eos_token_id=None)
+    greedy = model.generate(prompt, **kwargs)
+    assert torch.equal(model.generate(prompt, assistant_model=assistant, **kwargs), greedy)
+    assert torch.equal(model.generate(prompt, prompt_lookup_num_tokens=3, **kwargs), greedy)
+
+
+def test_resize_token_embeddings(rng_seed):
+    model = tiny_model(tie_word_embeddings=True)
+    ids = torch.randint(3, 97, (1, 8))
+    before = model(ids).logits
+    model.resize_token_embeddings(110)
+    after = model(torch.cat([ids, torch.tensor([[105]])], 1)).logits
+    assert after.shape[-1] == 110 and model.lm_head.weight is model.model.embed_tokens.weight
+    torch.testing.assert_close(after[:, :8, :97], before, atol=1e-5, rtol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------- torch.compile
+
+def _compile_config():
+    config = CompileConfig(fullgraph=True, dynamic=False, backend="aot_eager")  # graph breaks and shape changes fail
+    config._compile_all_devices = True  # compile on CPU too (what transformers' own compile tests do)
+    return config
+
+
+def test_generate_compiled_static_cache_is_one_graph(rng_seed):
+    """`generate(cache_implementation="static")` compiles the decode forward into one full graph (fullgraph=True,
+    static shapes): two generations with different padded batches reuse it (no recompile, no graph break) and
+    give the uncompiled tokens and logits."""
+    assert LazyLlamaForCausalLM._can_compile_fullgraph
+    model = tiny_model(num_hidden_layers=1)
+    batches = [left_padded([6, 3]), left_padded([4, 6])]
+    kwargs = dict(max_new_tokens=4, do_sample=False, pad_token_id=0, eos_token_id=None, return_dict_in_generate=True,
+                  output_logits=True)
+    expected = [model.generate(ids, attention_mask=mask, **kwargs) for ids, mask in batches]
+    assert not hasattr(model, "_compiled_call")  # no compilation without a compilable cache
+
+    torch.compiler.reset()
+    torch._dynamo.utils.counters.clear()
+    config = _compile_config()
+    for index, ((ids, mask), want) in enumerate(zip(batches, expected)):
+        stance = "fail_on_recompile" if index else "default"
+        with torch.compiler.set_stance(stance):
+            got = model.generate(ids, attention_mask=mask, cache_implementation="static", compile_config=config,
+                                 **kwargs)
+        assert torch.equal(got.sequences, want.sequences)
+        for a, b in zip(got.logits, want.logits):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    assert hasattr(model, "_compiled_call")
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+    assert not torch._dynamo.utils.counters["graph_break"]
+
+
+def test_compiled_forward_without_padding(rng_seed):
+    """Without padding `generate()` drops the mask: the compiled decode then masks the unwritten slots by itself."""
+    model = tiny_model(num_hidden_layers=1)
+    ids = torch.randint(3, 97, (2, 5))
+    want = _greedy(model, ids, None)
+    torch.compiler.reset()
+    got = _greedy(model, ids, None, cache_implementation="static", compile_config=_compile_config())
+    assert torch.equal(got, want) and hasattr(model, "_compiled_call")
+
+
+# ------------------------------------------------------------------------------- past max_position_embeddings
+
+@pytest.mark.parametrize("implementation", ["lazy", "eager"])
+def test_input_longer_than_max_position_embeddings_matches_reference(implementation, rng_seed):
+    """Like Llama, inputs longer than `max_position_embeddings` run (no refusal) and are exact."""
+    model = tiny_model(attn_implementation=implementation, max_position_embeddings=16, lazy_bias_window=8)
+    ids, mask = left_padded([40, 33])
+    got = model(input_ids=ids, attention_mask=mask).logits.double()
+    want = lazy_llama_logits64(model, ids, mask)
+    assert (got - want)[mask.bool()].abs().max() < 2e-4
+    # decoding across the limit with a cache agrees with no cache
+    prompt = ids[:1, -12:]
+    cached = model.generate(prompt, max_new_tokens=10, do_sample=False, pad_token_id=0, eos_token_id=None)
+    uncached = model.generate(prompt, max_new_tokens=10, do_sample=False, pad_token_id=0, eos_token_id=None,
+                              use_cache=False)
+    assert torch.equal(cached, uncached)
+
+
+def test_dynamic_rope_changes_logits_past_the_limit_like_llama(rng_seed):
+    """`dynamic` RoPE rescales only once the input passes `max_position_embeddings`; a converted model (tau = 0,
+    bias = 0) tracks Llama exactly on both sides of the limit, and a Lazy model sees the change too."""
+    dynamic = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
+    config = tiny_config(max_position_embeddings=16, rope_parameters=dynamic, lazy_tau_init=0.0, lazy_bias_init_std=0.0)
+    llama = llama_twin(config).eval()
+    lazy = LazyLlamaForCausalLM(config).eval()
+    lazy.load_state_dict(llama.state_dict(), strict=False)
+    plain_config = tiny_config(max_position_embeddings=16)
+    llama_plain = llama_twin(plain_config).eval()
+    llama_plain.load_state_dict(llama.state_dict())
+    short, long = torch.randint(3, 97, (1, 12)), torch.randint(3, 97, (1, 40))
+    for ids in (short, long):
+        torch.testing.assert_close(lazy(ids).logits, llama(ids).logits, atol=1e-4, rtol=1e-4)
+    assert torch.allclose(llama(short).logits, llama_plain(short).logits, atol=1e-5)
+    assert (llama(long).logits - llama_plain(long).logits).abs().max() > 1e-3
+
+    randomize_lazy(lazy)
+    lazy_plain = LazyLlamaForCausalLM(tiny_config(max_position_embeddings=16)).eval()
+    lazy_plain.load_state_dict(lazy.state_dict())
+    assert torch.allclose(lazy(short).logits, lazy_plain(short).logits, atol=1e-5)
+    assert (lazy(long).logits - lazy_plain(long).logits).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("flash_kwargs", [False, True])
+def test_padding_free_batch_longer_than_max_positions(flash_kwargs, rng_seed):
+    """A `DataCollatorWithFlattening` row longer than `max_position_embeddings` whose documents are not: logits and
+    loss equal those of the documents alone (positions restart per document; `cu_seq_lens_q` when given)."""
+    model = tiny_model(max_position_embeddings=16)
+    docs = [torch.randint(3, 97, (n,)) for n in (12, 15, 9)]
+    batch = DataCollatorWithFlattening(return_flash_attn_kwargs=flash_kwargs)([{"input_ids": d.tolist()} for d in docs])
+    assert batch["input_ids"].shape[1] > model.config.max_position_embeddings
+    out = model(**batch)
+    alone = [model(d[None], labels=d[None]) for d in docs]
+    assert (out.logits - torch.cat([a.logits for a in alone], 1)).abs().max() < 1e-5
+    counts = [len(d) - 1 for d in docs]
+    per_doc = sum(a.loss * n for a, n in zip(alone, counts)) / sum(counts)
+    torch.testing.assert_close(out.loss, per_doc, atol=1e-5, rtol=1e-5)
+
+
+# ------------------------------------------------------------------------------ attention weights and dropout
+
+ALL_CLASSES = [LazyLlamaModel, LazyLlamaForCausalLM, LazyLlamaForSequenceClassification,
+               LazyLlamaForTokenClassification, LazyLlamaForQuestionAnswering]
+
+
+def _tensors(value):
+    """The tensors of a (nested) output, in order; caches and Nones are skipped."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [t for item in value for t in _tensors(item)]
+    return []
+
+
+@pytest.mark.parametrize("model_class", ALL_CLASSES, ids=lambda c: c.__name__)
+def test_output_attentions_and_tuple_dict_equivalence(model_class, rng_seed):
+    """The default "lazy" path answers `output_attentions` (kwarg or config) with the reference weights; tuple
+    and dict outputs hold the same tensors."""
+    torch.manual_seed(rng_seed)
+    model = model_class(tiny_config(num_labels=3)).eval()
+    randomize_lazy(model)
+    ids, mask = left_padded([9, 6])
+    for flags in ({}, {"output_hidden_states": True}, {"output_attentions": True},
+                  {"output_hidden_states": True, "output_attentions": True}):
+        as_dict = model(ids, attention_mask=mask, use_cache=False, **flags)
+        as_tuple = model(ids, attention_mask=mask, use_cache=False, return_dict=False, **flags)
+        got, want = _tensors(as_tuple), _tensors(as_dict.to_tuple())
+        assert len(got) == len(want)
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b)
+    attentions = as_dict.attentions
+    assert len(attentions) == 2 and attentions[0].shape == (2, 4, 9, 9)
+    eager = copy.deepcopy(model)
+    eager.set_attn_implementation("eager")
+    for a, b in zip(attentions, eager(ids, attention_mask=mask, use_cache=False, output_attentions=True).attentions):
+        torch.testing.assert_close(a, b)
+    # `output_attentions=True` in the config is honoured too
+    configured = model_class(tiny_config(num_labels=3, output_attentions=True)).eval()
+    assert len(configured(ids, attention_mask=mask, use_cache=False).attentions) == 2
+
+
+def test_capture_outputs_is_never_chained():
+    """Only the base model records outputs: a head never nests a second capture for the same output."""
+    from transformers.utils.output_capturing import CompileableContextVar
+
+    original_set, original_reset = CompileableContextVar.set, CompileableContextVar.reset
+    depth = defaultdict(int)
+
+    def counting_set(self, value):
+        for key in value:
+            depth[key] += 1
+            assert depth[key] == 1, f"capture of {key!r} is chained"
+        return original_set(self, value)
+
+    def counting_reset(self, token):
+        for key in self.context_var.get() or {}:
+            depth[key] -= 1
+        return original_reset(self, token)
+
+    ids = torch.randint(3, 97, (2, 7))
+    for model_class in ALL_CLASSES:
+        model = model_class(tiny_config(num_labels=3)).eval()
+        with mock.patch.object(CompileableContextVar, "set", counting_set), \
+                mock.patch.object(CompileableContextVar, "reset", counting_reset), torch.no_grad():
+            out = model(ids, output_attentions=True, output_hidden_states=True)
+        assert len(out.attentions) == 2 and len(out.hidden_states) == 3, model_class.__name__
+
+
+@pytest.mark.parametrize("implementation", ["lazy", "eager"])
+def test_attention_dropout_is_applied_in_training_only(implementation, rng_seed):
+    """`attention_dropout` drops Elastic-Softmax weights in training (never silently ignored), not in evaluation."""
+    model = tiny_model(attn_implementation=implementation, attention_dropout=0.5)
+    ids = torch.randint(3, 97, (2, 10))
+    clean = model(ids).logits
+    torch.testing.assert_close(model(ids).logits, clean)  # eval: deterministic, no dropout
+    dropless = tiny_model(attn_implementation=implementation)
+    dropless.load_state_dict(model.state_dict())
+    torch.testing.assert_close(dropless(ids).logits, clean, atol=1e-5, rtol=1e-5)
+    model.train()
+    torch.manual_seed(0)
+    first = model(ids, labels=ids)
+    torch.manual_seed(1)
+    second = model(ids).logits
+    assert (first.logits - clean).abs().max() > 1e-3 and (first.logits - second).abs().max() > 1e-3
+    first.loss.backward()
+    tau_grads = [layer.self_attn.tau.grad for layer in model.model.layers]
+    assert all(g is not None and torch.isfinite(g).all() for g in tau_grads)
+
+
+# -------------------------------------------------------------------------------------------------- task heads
+
+HEADS = [
+    (AutoModelForSequenceClassification, LazyLlamaForSequenceClassification, dict(labels=torch.tensor([0, 2]))),
+    (AutoModelForTokenClassification, LazyLlamaForTokenClassification, dict(labels=torch.randint(0, 3, (2, 8)))),
+    (AutoModelForQuestionAnswering, LazyLlamaForQuestionAnswering,
+     dict(start_positions=torch.tensor([1, 3]), end_positions=torch.tensor([4, 6]))),
+]
+
+
+@pytest.mark.parametrize("auto_class, head_class, targets", HEADS, ids=lambda x: getattr(x, "__name__", ""))
+def test_task_head_trains_saves_and_loads(auto_class, head_class, targets, tmp_path, rng_seed):
+    """Each head: loss and gradients (tau and bias included), save/load through its Auto class, and a causal-LM
+    checkpoint loads into it with only the new head initialised."""
+    causal = tiny_model()
+    causal.save_pretrained(tmp_path / "causal")
+    head = auto_class.from_pretrained(tmp_path / "causal", num_labels=3)
+    assert type(head) is head_class and head.config._attn_implementation == "lazy"
+    for name, tensor in causal.model.state_dict().items():
+        assert torch.equal(head.model.state_dict()[name], tensor), name
+
+    ids, mask = left_padded([8, 5])
+    head.train()
+    out = head(ids, attention_mask=mask, **targets)
+    assert torch.isfinite(out.loss)
+    out.loss.backward()
+    assert head.model.layers[0].self_attn.tau.grad.abs().sum() > 0
+    assert head.model.layers[0].self_attn.distance_bias.grad.abs().sum() > 0
+
+    head.eval()
+    head.save_pretrained(tmp_path / "head")
+    loaded = auto_class.from_pretrained(tmp_path / "head")
+    assert type(loaded) is head_class
+    for a, b in zip(_tensors(head(ids, attention_mask=mask).to_tuple()),
+                    _tensors(loaded(ids, attention_mask=mask).to_tuple())):
+        torch.testing.assert_close(a, b)
+
+
+def test_sequence_classification_pools_the_last_token_of_left_padded_rows(rng_seed):
+    model = LazyLlamaForSequenceClassification(tiny_config(num_labels=3)).eval()
+    randomize_lazy(model)
+    ids, mask = left_padded([8, 5])
+    batched = model(ids, attention_mask=mask).logits
+    for row, n in enumerate((8, 5)):
+        torch.testing.assert_close(batched[row], model(ids[row:row + 1, -n:]).logits[0], atol=1e-5, rtol=1e-5)
+
+
+REMOTE_HEADS_SCRIPT = """
+import sys, torch
+from transformers import (
+    AutoModelForQuestionAnswering, AutoModelForSequenceClassification, AutoModelForTokenClassification,
+)
+path, ids_path, out_path = sys.argv[1:4]
+ids = torch.load(ids_path)
+out = {}
+for auto in (AutoModelForSequenceClassification, AutoModelForTokenClassification, AutoModelForQuestionAnswering):
+    model = auto.from_pretrained(path, trust_remote_code=True, num_labels=3).eval()
+    assert type(model).__module__.startswith("transformers_modules."), type(model)
+    assert type(model.model).__name__ == "LazyLlamaModel" and type(model.model).__module__ == type(model).__module__
+    out[type(model).__name__] = [t for t in model(ids).to_tuple() if isinstance(t, torch.Tensor)]
+torch.save(out, out_path)
+"""
+
+
+def test_task_heads_with_trust_remote_code_in_a_python_without_the_project(tmp_path, rng_seed):
+    causal = tiny_model()
+    causal.save_pretrained(tmp_path / "ckpt")
+    ids = torch.randint(3, 97, (2, 7))
+    torch.save(ids, tmp_path / "ids.pt")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "HF_"))}
+    env.update(HF_HOME=str(tmp_path / "hf_home"), HF_HUB_OFFLINE="1")
+    result = run_without_project(REMOTE_HEADS_SCRIPT, [tmp_path / "ckpt", tmp_path / "ids.pt", tmp_path / "out.pt"],
+                                 cwd=tmp_path, env=env)
+    assert result.returncode == 0, result.stdout + result.stderr
+    out = torch.load(tmp_path / "out.pt")
+    assert set(out) == {c.__name__ for _, c, _ in HEADS}
+    # the base model is the saved one: the heads' hidden states come from identical weights
+    hidden = causal.model(ids).last_hidden_state
+    for _, head_class, _ in HEADS:
+        head = head_class.from_pretrained(tmp_path / "ckpt", num_labels=3).eval()
+        torch.testing.assert_close(head.model(ids).last_hidden_state, hidden)
+        assert len(out[head_class.__name__]) == len(_tensors(head(ids).to_tuple()))
+
+
+# --------------------------------------------------------------------------------------------- deprecated names
+
+def _call_warnings(model, **kwargs):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = model(**kwargs)
+    return out, [str(w.message) for w in caught if issubclass(w.category, FutureWarning)]
+
+
+@torch.no_grad()
+def test_past_key_values_is_the_deprecated_name_of_cache_like_llama(rng_seed):
+    """`past_key_values=` works with Llama's FutureWarning; with both names, `cache` wins (Llama's rule)."""
+    lazy = tiny_model()
+    llama = llama_twin(lazy.config).eval()
+    ids = torch.randint(3, 97, (1, 9))
+    messages = {}
+    for name, model in (("LazyLlamaForCausalLM", lazy), ("LlamaForCausalLM", llama)):
+        prefix = model(ids[:, :6], use_cache=True).cache
+        want = model(ids[:, 6:], cache=copy.deepcopy(prefix)).logits
+        old, old_warnings = _call_warnings(model, input_ids=ids[:, 6:], past_key_values=copy.deepcopy(prefix))
+        torch.testing.assert_close(old.logits, want)
+        both, both_warnings = _call_warnings(model, input_ids=ids[:, 6:], cache=copy.deepcopy(prefix),
+                                             past_key_values=DynamicCache(config=model.config))
+        torch.testing.assert_close(both.logits, want)
+        messages[name] = [m.replace(name, "MODEL") for m in old_warnings + both_warnings]
+        assert any("past_key_values" in m and "cache" in m for m in old_warnings)
+        assert any("Both" in m for m in both_warnings)
+    assert [m.split(" Using")[0] for m in messages["LazyLlamaForCausalLM"]] == \
+        [m.split(" Using")[0] for m in messages["LlamaForCausalLM"]]
