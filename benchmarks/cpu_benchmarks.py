@@ -102,7 +102,7 @@ def bench_attention(size):
 MEMORY_SCRIPT = textwrap.dedent("""
     import json, sys, torch, torch.nn.functional as F
     from modeling_lazy.lazy_attention_reference import lazy_attention_metadata
-from modeling_lazy.lazy_attention_torch import lazy_attention_torch
+    from modeling_lazy.lazy_attention_torch import lazy_attention_torch
     kind, length, heads, dim = sys.argv[1], int(sys.argv[2]), 4, 64
     q, k, v = (torch.randn(1, heads, length, dim, requires_grad=True) for _ in range(3))
     tau, bias = torch.full((heads,), -1.0, requires_grad=True), torch.zeros(heads, 1024, requires_grad=True)

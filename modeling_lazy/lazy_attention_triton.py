@@ -33,6 +33,7 @@ upcast to float32 before `tl.dot` on that path only (the interpreter's bf16 dot 
 """
 
 import os
+from typing import TYPE_CHECKING
 
 try:
     import triton
@@ -45,7 +46,8 @@ except ImportError as error:  # modeling_lazy catches this and serves every devi
 
 import torch
 
-from .lazy_attention_reference import LazyMetadata
+if TYPE_CHECKING:  # annotations only: the ahead-of-time compiler loads this file on its own
+    from .lazy_attention_reference import LazyMetadata
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -55,6 +57,10 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 MAX_HEAD_DIM = 256
 DECODE_MAX_QUERIES = 16  # query length <= this uses the decode blocks (tl.dot needs tiles >= 16)
 SPLIT_MIN_KEYS = 256  # a split-K slice covers at least this many keys
+# Row log-sum-exp stored for a row without a normaliser (every visible score -inf, or nothing visible): p = 0 on
+# every key, and `_row_threshold` turns tau/n into a large negative, so every weight a_ij of that row is 0.
+DEAD_ROW_LSE = 3.0e38
+_DEAD_ROW_LSE = tl.constexpr(DEAD_ROW_LSE)  # the same value as the kernels see it
 
 # GPU family -> (kernel kind, padded head dim) -> (BLOCK_M, BLOCK_N, num_warps, num_stages). Padded head
 # dims up to 64 use the 64 rows, larger ones the 128 rows (256 runs but is not tuned). Chosen so that no
@@ -136,6 +142,12 @@ def _scores(q, k, KPOS, bias_row, q_pos, visible, keys, Tk, W, scaling,
     dist = q_pos[:, None] - k_pos[None, :]
     s += tl.load(bias_row + dist, mask=visible & (dist >= 0) & (dist < W), other=0.0)
     return tl.where(visible, s, float("-inf"))
+
+
+@triton.jit
+def _row_threshold(tau_h, q_pos, lse):
+    """`tau_h / n_i` in float32 for a row with a normaliser; -1e30 (every weight 0) for a dead row."""
+    return tl.where(lse < 1.0e38, tau_h / (q_pos + 1).to(tl.float32), -1.0e30)
 
 
 @triton.jit
@@ -233,8 +245,8 @@ def _lazy_fwd_kernel(Q, K, V, TAU, BIAS, QPOS, KPOS, QSEG, KSEG, OUT, LSE, STATS
 
     m_i, l_i = _lse_pass(q, q_pos, q_seg, q_key_idx, K_, stride_kt, KPOS_, KSEG_, bias_row, 0, hi, Tk, W,
                          scaling, BLOCK_M, BLOCK_N, BLOCK_D, D, UPCAST, PRECISION)
-    lse = tl.where(l_i > 0.0, m_i + tl.log(tl.where(l_i > 0.0, l_i, 1.0)), 0.0)  # a row that sees nothing gets p = 0 everywhere
-    threshold = tl.load(TAU + h) / (q_pos + 1).to(tl.float32)
+    lse = tl.where(l_i > 0.0, m_i + tl.log(tl.where(l_i > 0.0, l_i, 1.0)), _DEAD_ROW_LSE)
+    threshold = _row_threshold(tl.load(TAU + h), q_pos, lse)
     acc, visited, visible_tiles = _out_pass(q, q_pos, q_seg, q_key_idx, lse, threshold, K_, V_, stride_kt,
                                             stride_vt, KPOS_, KSEG_, bias_row, 0, hi, Tk, W, scaling,
                                             BLOCK_M, BLOCK_N, BLOCK_D, D, SKIP, UPCAST, PRECISION)
@@ -275,8 +287,8 @@ def _lazy_fwd_split_out_kernel(Q, K, V, TAU, BIAS, QPOS, KPOS, QSEG, KSEG, LSE, 
     """Split-K pass 2: partial float32 output of one key slice -> O_PART [S, B, Tq, Hq, D] (summed after)."""
     pid_m, pid_bh, split, b, h, hk, rows, row_mask, q, q_pos, q_seg, q_key_idx, lo, hi = _query_tile_setup(
         Q, QPOS, QSEG, stride_qb, stride_qh, stride_qt, Hq, Tq, Tk, GROUPS, KEYS_PER_SPLIT, BLOCK_M, BLOCK_D, D)
-    lse = tl.load(LSE + pid_bh.to(tl.int64) * Tq + rows, mask=row_mask, other=0.0)
-    threshold = tl.load(TAU + h) / (q_pos + 1).to(tl.float32)
+    lse = tl.load(LSE + pid_bh.to(tl.int64) * Tq + rows, mask=row_mask, other=_DEAD_ROW_LSE)
+    threshold = _row_threshold(tl.load(TAU + h), q_pos, lse)
     acc, visited, visible_tiles = _out_pass(q, q_pos, q_seg, q_key_idx, lse, threshold,
                                             K + b * stride_kb + hk * stride_kh, V + b * stride_vb + hk * stride_vh,
                                             stride_kt, stride_vt, KPOS + b * Tk, KSEG + b * Tk, BIAS + h * W,
@@ -308,9 +320,9 @@ def _bwd_query_tile(Q, DO, TAU, QPOS, QSEG, LSE, stride_qb, stride_qh, stride_qt
     do = _load_rows(DO + b * stride_dob + h * stride_doh, stride_dot, rows, offs_d, Tq, D)
     q_pos = tl.load(QPOS + b * Tq + rows, mask=row_mask, other=0)
     q_seg = tl.load(QSEG + b * Tq + rows, mask=row_mask, other=-4)
-    lse = tl.load(LSE + pid_bh.to(tl.int64) * Tq + rows, mask=row_mask, other=0.0)
+    lse = tl.load(LSE + pid_bh.to(tl.int64) * Tq + rows, mask=row_mask, other=_DEAD_ROW_LSE)
     inv_n = 1.0 / (q_pos + 1).to(tl.float32)
-    threshold = tl.load(TAU + h) * inv_n
+    threshold = _row_threshold(tl.load(TAU + h), q_pos, lse)
     hi = tl.minimum(Tk, (pid_m + 1) * BLOCK_M + Tk - Tq)  # keys past the tile's last row are never visible
     return pid_m, pid_bh, b, h, hk, rows, offs_d, row_mask, q, do, q_pos, q_seg, lse, inv_n, threshold, hi
 
@@ -440,14 +452,14 @@ def _lazy_bwd_dkdv_kernel(Q, K, V, TAU, BIAS, QPOS, KPOS, QSEG, KSEG, LSE, DELTA
                 q = tl.load(Q + b * stride_qb + h * stride_qh + rows[:, None] * stride_qt + offs_d[None, :],
                             mask=tile_mask, other=0.0)
                 q_pos = tl.load(QPOS + b * Tq + rows, mask=row_mask, other=0)
-                lse = tl.load(LSE + bh * Tq + rows, mask=row_mask, other=0.0)
+                lse = tl.load(LSE + bh * Tq + rows, mask=row_mask, other=_DEAD_ROW_LSE)
                 delta = tl.load(DELTA + bh * Tq + rows, mask=row_mask, other=0.0)
                 s = _dot(q, tl.trans(k), UPCAST, PRECISION) * scaling
                 dist = q_pos[:, None] - k_pos[None, :]
                 in_window = visible & (dist >= 0) & (dist < W)
                 s += tl.load(bias_row + dist, mask=in_window, other=0.0)
                 p = tl.where(visible, tl.exp(s - lse[:, None]), 0.0)
-                a = tl.where(visible, tl.maximum(p + threshold_h / (q_pos + 1).to(tl.float32)[:, None], 0.0),
+                a = tl.where(visible, tl.maximum(p + _row_threshold(threshold_h, q_pos, lse)[:, None], 0.0),
                              0.0)
                 do = tl.load(DO + b * stride_dob + h * stride_doh + rows[:, None] * stride_dot + offs_d[None, :],
                              mask=tile_mask, other=0.0)
@@ -557,7 +569,7 @@ def _forward(query, key, value, tau, distance_bias, q_pos, k_pos, q_seg, k_seg, 
         num_heads, q_len, k_len, window, groups, keys_per_split, scaling, **meta)
     m_max = m_part.max(0).values
     l_sum = (l_part * torch.exp(m_part - m_max)).sum(0)
-    lse = torch.where(l_sum > 0, m_max + torch.log(l_sum), torch.zeros_like(l_sum)).view(bsz, num_heads, q_len)
+    lse = torch.where(l_sum > 0, m_max + torch.log(l_sum), DEAD_ROW_LSE).view(bsz, num_heads, q_len)
     o_part = torch.empty(num_splits, bsz, q_len, num_heads, dim, dtype=torch.float32, device=query.device)
     stats = (torch.zeros(num_splits, bsz * num_heads, q_tiles, 2, dtype=torch.int32, device=query.device)
              if with_stats else lse)
@@ -607,7 +619,7 @@ def _backward(grad_out, query, key, value, tau, distance_bias, q_pos, k_pos, q_s
     return dq, dk, dv, dtau_part.sum(dim=(0, 2)), dbias_part.sum(dim=(0, 2))
 
 
-def _kernel_inputs(key, value, metadata: LazyMetadata):
+def _kernel_inputs(key, value, metadata: "LazyMetadata"):
     """`(key, value, (q_pos, k_pos, q_seg, k_seg) int32)`: keys cut to the metadata (a static cache hands over
     a longer buffer) and the per-token metadata the kernels read."""
     if metadata.static_buffer:  # the kernels take the key offset from the shapes (Tk - Tq)
@@ -626,7 +638,7 @@ class LazyAttentionTritonFunction(torch.autograd.Function):
     """Fused Lazy Attention; saves q, k, v and the row log-sum-exp (float32) for backward."""
 
     @staticmethod
-    def forward(ctx, query, key, value, tau, distance_bias, metadata: LazyMetadata, scaling):
+    def forward(ctx, query, key, value, tau, distance_bias, metadata: "LazyMetadata", scaling):
         key_used, value_used, positions = _kernel_inputs(key, value, metadata)
         out, lse, _ = _forward(query, key_used, value_used, tau, distance_bias, *positions, scaling)
         ctx.save_for_backward(query, key, value, tau, distance_bias, lse)
@@ -645,7 +657,7 @@ class LazyAttentionTritonFunction(torch.autograd.Function):
         return dq, dk, dv, d_tau.to(tau.dtype), d_bias.to(distance_bias.dtype), None, None
 
 
-def lazy_attention_triton(query, key, value, tau, distance_bias, metadata: LazyMetadata, scaling):
+def lazy_attention_triton(query, key, value, tau, distance_bias, metadata: "LazyMetadata", scaling):
     """Lazy Attention with the Triton kernels (CUDA tensors, or CPU tensors under TRITON_INTERPRET=1).
 
     Args:
@@ -659,7 +671,7 @@ def lazy_attention_triton(query, key, value, tau, distance_bias, metadata: LazyM
     return LazyAttentionTritonFunction.apply(query, key, value, tau, distance_bias, metadata, float(scaling))
 
 
-def lazy_attention_tile_stats(query, key, value, tau, distance_bias, metadata: LazyMetadata, scaling,
+def lazy_attention_tile_stats(query, key, value, tau, distance_bias, metadata: "LazyMetadata", scaling,
                               num_splits=None):
     """Forward once with counters (benchmarks only; synchronises): key tiles pass 2 visited vs visible.
 

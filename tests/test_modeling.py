@@ -1,4 +1,4 @@
-"""The model against an independent float64 implementation of SPEC section 1, and against Llama."""
+"""The model against an independent float64 implementation of the math (docs/design.md), and against Llama."""
 
 import json
 
@@ -231,6 +231,15 @@ def test_backend_environment_variable(monkeypatch):
         model(ids)
     monkeypatch.setenv("LAZY_ATTENTION_BACKEND", "auto")
     assert torch.equal(model(ids).logits, base)
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_sequence_longer_than_max_position_embeddings_runs_like_llama(implementation, rng_seed):
+    """No length refusal (Llama has none): 40 tokens on a 16-position model match the float64 reference."""
+    model = tiny_model(attn_implementation=implementation, max_position_embeddings=16, lazy_bias_window=8)
+    ids = torch.randint(3, 97, (2, 40))
+    got = model(ids).logits.double()
+    assert (got - lazy_llama_logits64(model, ids)).abs().max().item() < 2e-4, f"seed {rng_seed}"
 
 
 def test_four_dimensional_mask_is_refused():
