@@ -692,6 +692,12 @@ def _bias_band(distance_bias: torch.Tensor, scaling: float, block_m: int, block_
     return band
 
 
+def _strides(name: str, x: torch.Tensor, b: int = 0, h: int = 1, t: int = 2) -> dict[str, int]:
+    """The kernel keywords `stride_{name}b, stride_{name}h, stride_{name}t` of `x`: its strides along the batch,
+    head and token dims (`[B, H, T, D]` by default; `h=2, t=1` for a `[B, T, H, D]` tensor)."""
+    return {f"stride_{name}b": x.stride(b), f"stride_{name}h": x.stride(h), f"stride_{name}t": x.stride(t)}
+
+
 def _forward(query, key, value, tau, distance_bias, q_pos, k_pos, q_seg, k_seg, scaling,
              skip=True, num_splits=None, with_stats=False, causal=False):
     """Launch the forward. Returns `(out [B, Tq, Hq, D], lse [B, Hq, Tq] float32, stats int32 or None)`.
@@ -719,16 +725,15 @@ def _forward(query, key, value, tau, distance_bias, q_pos, k_pos, q_seg, k_seg, 
                 PRECISION=_DOT_PRECISION[query.dtype], num_warps=num_warps, num_stages=num_stages)
     tau = tau.detach().to(torch.float32).contiguous()
     bias = distance_bias.detach().to(torch.float32).contiguous()
-    groups = num_heads // kv_heads
-    q_strides = (query.stride(0), query.stride(1), query.stride(2))
-    k_strides = (key.stride(0), key.stride(1), key.stride(2))
-    v_strides = (value.stride(0), value.stride(1), value.stride(2))
+    positions = dict(QPOS=q_pos, KPOS=k_pos, QSEG=q_seg, KSEG=k_seg)
+    q_strides, k_strides, v_strides = _strides("q", query), _strides("k", key), _strides("v", value)
+    sizes = dict(Hq=num_heads, Tq=q_len, Tk=k_len, W=window, GROUPS=num_heads // kv_heads)
     if num_splits <= 1:
         stats = torch.zeros(bsz * num_heads, q_tiles, 2, dtype=torch.int32, device=query.device) if with_stats else lse
         _lazy_fwd_kernel[(q_tiles, bsz * num_heads)](
-            query, key, value, tau, bias, q_pos, k_pos, q_seg, k_seg, out, lse, stats,
-            *q_strides, *k_strides, *v_strides, out.stride(0), out.stride(2), out.stride(1),
-            num_heads, q_len, k_len, window, groups, scaling, SKIP=skip, WITH_STATS=with_stats, **meta)
+            Q=query, K=key, V=value, TAU=tau, BIAS=bias, **positions, OUT=out, LSE=lse, STATS=stats,
+            **q_strides, **k_strides, **v_strides, **_strides("o", out, h=2, t=1),
+            **sizes, scaling=scaling, SKIP=skip, WITH_STATS=with_stats, **meta)
         return out, lse, stats if with_stats else None
     keys_per_split = triton.cdiv(triton.cdiv(k_len, num_splits), block_n) * block_n
     num_splits = triton.cdiv(k_len, keys_per_split)
@@ -736,8 +741,8 @@ def _forward(query, key, value, tau, distance_bias, q_pos, k_pos, q_seg, k_seg, 
     m_part = torch.empty(num_splits, bsz * num_heads, q_len, dtype=torch.float32, device=query.device)
     l_part = torch.empty_like(m_part)
     _lazy_fwd_split_lse_kernel[grid](
-        query, key, bias, q_pos, k_pos, q_seg, k_seg, m_part, l_part, *q_strides, *k_strides,
-        num_heads, q_len, k_len, window, groups, keys_per_split, scaling, **meta)
+        Q=query, K=key, BIAS=bias, **positions, M_PART=m_part, L_PART=l_part, **q_strides, **k_strides,
+        **sizes, KEYS_PER_SPLIT=keys_per_split, scaling=scaling, **meta)
     m_max = m_part.max(0).values
     l_sum = (l_part * torch.exp(m_part - m_max)).sum(0)
     lse = torch.where(l_sum > 0, m_max + torch.log(l_sum), DEAD_ROW_LSE).view(bsz, num_heads, q_len)
@@ -745,8 +750,8 @@ def _forward(query, key, value, tau, distance_bias, q_pos, k_pos, q_seg, k_seg, 
     stats = (torch.zeros(num_splits, bsz * num_heads, q_tiles, 2, dtype=torch.int32, device=query.device)
              if with_stats else lse)
     _lazy_fwd_split_out_kernel[grid](
-        query, key, value, tau, bias, q_pos, k_pos, q_seg, k_seg, lse, o_part, stats,
-        *q_strides, *k_strides, *v_strides, num_heads, q_len, k_len, window, groups, keys_per_split, scaling,
+        Q=query, K=key, V=value, TAU=tau, BIAS=bias, **positions, LSE=lse, O_PART=o_part, STATS=stats,
+        **q_strides, **k_strides, **v_strides, **sizes, KEYS_PER_SPLIT=keys_per_split, scaling=scaling,
         SKIP=skip, WITH_STATS=with_stats, **meta)
     out = o_part.sum(0).to(query.dtype)
     return out, lse, stats.sum(0) if with_stats else None
@@ -761,10 +766,11 @@ def _causal_forward(query, key, value, tau, distance_bias, q_pos, scaling, block
     out = torch.empty(bsz, q_len, num_heads, dim, dtype=query.dtype, device=query.device)
     lse = torch.empty(bsz, num_heads, q_len, dtype=torch.float32, device=query.device)
     _lazy_causal_fwd_kernel[(triton.cdiv(q_len, block_m), bsz * num_heads)](
-        query, key, value, tau.detach().to(torch.float32).contiguous(), band, q_pos, out, lse,
-        query.stride(0), query.stride(1), query.stride(2), key.stride(0), key.stride(1), key.stride(2),
-        value.stride(0), value.stride(1), value.stride(2), out.stride(0), out.stride(2), out.stride(1),
-        num_heads, q_len, k_len, distance_bias.shape[-1], num_heads // kv_heads, band.shape[-1], scaling * LOG2E,
+        Q=query, K=key, V=value, TAU=tau.detach().to(torch.float32).contiguous(), BAND=band, QPOS=q_pos,
+        OUT=out, LSE=lse,
+        **_strides("q", query), **_strides("k", key), **_strides("v", value), **_strides("o", out, h=2, t=1),
+        Hq=num_heads, Tq=q_len, Tk=k_len, W=distance_bias.shape[-1], GROUPS=num_heads // kv_heads,
+        BAND_LEN=band.shape[-1], scale_log2=scaling * LOG2E,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, D=dim, UPCAST=_INTERPRET,
         PRECISION=_DOT_PRECISION[query.dtype], num_warps=num_warps, num_stages=num_stages)
     return out, lse
@@ -792,19 +798,22 @@ def _backward(grad_out, query, key, value, tau, distance_bias, q_pos, k_pos, q_s
     dtau_part = torch.empty(bsz, num_heads, triton.cdiv(q_len, delta_m), dtype=torch.float32, device=query.device)
     k_tiles = triton.cdiv(k_len, kv_n)
     dbias_part = torch.zeros(bsz, num_heads, k_tiles, window, dtype=torch.float32, device=query.device)
-    strides = (query.stride(0), query.stride(1), query.stride(2), key.stride(0), key.stride(1), key.stride(2),
-               value.stride(0), value.stride(1), value.stride(2), grad_out.stride(0), grad_out.stride(2),
-               grad_out.stride(1))
-    inputs = (query, key, value, tau32, bias32, q_pos, k_pos, q_seg, k_seg, lse)
+    # The arguments all three kernels share: inputs, per-token metadata, strides (dO is [B, Tq, Hq, D]), sizes.
+    inputs = dict(Q=query, K=key, V=value, TAU=tau32, BIAS=bias32, QPOS=q_pos, KPOS=k_pos, QSEG=q_seg, KSEG=k_seg,
+                  LSE=lse)
+    strides = dict(**_strides("q", query), **_strides("k", key), **_strides("v", value),
+                   **_strides("do", grad_out, h=2, t=1))
+    sizes = dict(Tq=q_len, Tk=k_len, W=window, GROUPS=groups)
     _lazy_bwd_delta_kernel[(triton.cdiv(q_len, delta_m), bsz * num_heads)](
-        *inputs, grad_out, delta, dtau_part, *strides, num_heads, q_len, k_len, window, groups, scaling,
+        **inputs, DO=grad_out, DELTA=delta, DTAU_PART=dtau_part, **strides, Hq=num_heads, **sizes, scaling=scaling,
         BLOCK_M=delta_m, BLOCK_N=delta_n, num_warps=delta_warps, num_stages=delta_stages, **common)
     _lazy_bwd_dq_kernel[(triton.cdiv(q_len, dq_m), bsz * num_heads)](
-        *inputs, grad_out, delta, dq, *strides, num_heads, q_len, k_len, window, groups, scaling,
+        **inputs, DO=grad_out, DELTA=delta, DQ=dq, **strides, Hq=num_heads, **sizes, scaling=scaling,
         BLOCK_M=dq_m, BLOCK_N=dq_n, num_warps=dq_warps, num_stages=dq_stages, **common)
     _lazy_bwd_dkdv_kernel[(k_tiles, bsz * kv_heads)](
-        *inputs, delta, grad_out, dk, dv, dbias_part, *strides, num_heads, kv_heads, q_len, k_len, window, groups,
-        scaling, BLOCK_M=kv_m, BLOCK_N=kv_n, num_warps=kv_warps, num_stages=kv_stages, **common)
+        **inputs, DELTA=delta, DO=grad_out, DK=dk, DV=dv, DBIAS_PART=dbias_part, **strides,
+        Hq=num_heads, Hkv=kv_heads, **sizes, scaling=scaling,
+        BLOCK_M=kv_m, BLOCK_N=kv_n, num_warps=kv_warps, num_stages=kv_stages, **common)
     return dq, dk, dv, dtau_part.sum(dim=(0, 2)), dbias_part.sum(dim=(0, 2))
 
 
