@@ -25,6 +25,7 @@ import sys
 import time
 import traceback
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -140,23 +141,56 @@ def check(kernels, inputs, meta, dtype, key_view=False, causal=False):
 TAU_MIXED = [-1.0, 0.4, -0.3, -2.0, 0.0, -1.0]  # both signs; -1 with near-uniform rows is at the threshold
 
 
-REFERENCE_CASES = {  # name: (dtype, B, Hq, Hkv, Tq, Tk, D, W, tau per head, q scale, left padding, documents)
-    "gqa2-window-short-odd-fp32": (torch.float32, 2, 4, 2, 77, 77, 64, 16, TAU_MIXED[:4], 1.0, None, None),
-    "gqa3-d128-window-long-fp32": (torch.float32, 1, 3, 1, 50, 50, 128, 128, TAU_MIXED[:3], 1.0, None, None),
-    "near-threshold-fp32": (torch.float32, 1, 2, 1, 70, 70, 64, 32, [-1.0, -1.0], 0.2, None, None),
-    "left-padding-bf16": (torch.bfloat16, 2, 2, 2, 45, 45, 64, 24, TAU_MIXED[:2], 1.0, [0, 7], None),
-    "packed-docs-gqa2-d128-fp16": (torch.float16, 1, 4, 2, 90, 90, 128, 40, TAU_MIXED[:4], 1.0, None, [30, 17, 43]),
-    "chunked-prefill-gqa3-bf16": (torch.bfloat16, 2, 6, 2, 21, 70, 64, 64, TAU_MIXED, 1.0, [0, 5], None),
-    "decode-cache-gqa3-d128-fp32": (torch.float32, 2, 3, 1, 1, 83, 128, 50, TAU_MIXED[:3], 1.0, [4, 0], None),
-    "decode-cache-gqa2-bf16": (torch.bfloat16, 2, 4, 2, 1, 66, 64, 100, TAU_MIXED[:4], 1.0, [0, 9], None),
+class ReferenceCase(NamedTuple):
+    """One comparison with the float64 reference (shapes as in `make_inputs`, metadata as in `metadata`)."""
+
+    dtype: torch.dtype
+    batch: int
+    heads: int  # query heads
+    kv_heads: int
+    q_len: int
+    k_len: int
+    head_dim: int
+    window: int  # distance_bias window
+    tau: list[float]  # per query head
+    q_scale: float = 1.0  # query magnitude (small: near-uniform rows)
+    pad: list[int] | None = None  # left-padding keys per batch row
+    docs: list[int] | None = None  # packed document lengths (batch 1)
+
+
+REFERENCE_CASES = {  # the names are the pytest ids; "decode" cases also pass non-contiguous key/value views
+    "gqa2-window-short-odd-fp32": ReferenceCase(
+        torch.float32, batch=2, heads=4, kv_heads=2, q_len=77, k_len=77, head_dim=64, window=16, tau=TAU_MIXED[:4]),
+    "gqa3-d128-window-long-fp32": ReferenceCase(
+        torch.float32, batch=1, heads=3, kv_heads=1, q_len=50, k_len=50, head_dim=128, window=128, tau=TAU_MIXED[:3]),
+    "near-threshold-fp32": ReferenceCase(
+        torch.float32, batch=1, heads=2, kv_heads=1, q_len=70, k_len=70, head_dim=64, window=32, tau=[-1.0, -1.0],
+        q_scale=0.2),
+    "left-padding-bf16": ReferenceCase(
+        torch.bfloat16, batch=2, heads=2, kv_heads=2, q_len=45, k_len=45, head_dim=64, window=24, tau=TAU_MIXED[:2],
+        pad=[0, 7]),
+    "packed-docs-gqa2-d128-fp16": ReferenceCase(
+        torch.float16, batch=1, heads=4, kv_heads=2, q_len=90, k_len=90, head_dim=128, window=40, tau=TAU_MIXED[:4],
+        docs=[30, 17, 43]),
+    "chunked-prefill-gqa3-bf16": ReferenceCase(
+        torch.bfloat16, batch=2, heads=6, kv_heads=2, q_len=21, k_len=70, head_dim=64, window=64, tau=TAU_MIXED,
+        pad=[0, 5]),
+    "decode-cache-gqa3-d128-fp32": ReferenceCase(
+        torch.float32, batch=2, heads=3, kv_heads=1, q_len=1, k_len=83, head_dim=128, window=50, tau=TAU_MIXED[:3],
+        pad=[4, 0]),
+    "decode-cache-gqa2-bf16": ReferenceCase(
+        torch.bfloat16, batch=2, heads=4, kv_heads=2, q_len=1, k_len=66, head_dim=64, window=100, tau=TAU_MIXED[:4],
+        pad=[0, 9]),
 }
 
 
 def reference_case(name):
     def run(kernels):
-        dtype, bsz, heads, kv_heads, q_len, k_len, dim, window, tau, q_scale, pad, docs = REFERENCE_CASES[name]
-        inputs = make_inputs(bsz, heads, kv_heads, q_len, k_len, dim, window, dtype, tau, q_scale)
-        return check(kernels, inputs, metadata(bsz, q_len, k_len, pad, docs), dtype, key_view="decode" in name)
+        case = REFERENCE_CASES[name]
+        inputs = make_inputs(case.batch, case.heads, case.kv_heads, case.q_len, case.k_len, case.head_dim,
+                             case.window, case.dtype, case.tau, case.q_scale)
+        meta = metadata(case.batch, case.q_len, case.k_len, case.pad, case.docs)
+        return check(kernels, inputs, meta, case.dtype, key_view="decode" in name)
     return run
 
 
