@@ -201,8 +201,9 @@ class LazyLlamaAttention(nn.Module):
             self.config._attn_implementation, eager_lazy_attention_forward
         )
         dropout = self.attention_dropout if self.training else 0.0
-        if attention_interface is not eager_lazy_attention_forward and (output_attentions or dropout > 0):
+        if attention_interface is lazy_attention_forward and (output_attentions or dropout > 0):
             # The fused path never materialises the weights (and has no dropout): this call uses the reference.
+            # A user-registered attention function is called as it is (it answers for its own weights).
             logger.warning_once(
                 f'attn_implementation="{implementation}" computes calls with output_attentions=True or attention '
                 "dropout (training) with the reference (eager) Lazy Attention, which materialises the L x L weights."
