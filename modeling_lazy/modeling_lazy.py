@@ -27,12 +27,7 @@ from transformers.modeling_layers import (
     GradientCheckpointingLayer,
 )
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
-from transformers.modeling_utils import (
-    ALL_ATTENTION_FUNCTIONS,
-    AttentionInterface,
-    PreTrainedModel,
-    slice_logits_to_keep,
-)
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface, PreTrainedModel
 from transformers.models.llama.modeling_llama import (
     LlamaMLP,
     LlamaRMSNorm,
@@ -43,6 +38,15 @@ from transformers.utils import can_return_tuple, logging
 from transformers.utils.deprecation import deprecate_kwarg
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
+
+try:  # transformers >= 5.2x: also per-row (2-D) selections
+    from transformers.modeling_utils import slice_logits_to_keep
+except ImportError:  # transformers 5.19: Llama's int / 1-D selection
+
+    def slice_logits_to_keep(hidden_states: torch.Tensor, logits_to_keep: int | torch.Tensor) -> torch.Tensor:
+        """The last `logits_to_keep` positions (0: all), or the positions a 1-D tensor names."""
+        selection = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+        return hidden_states[:, selection, :]
 
 try:  # flat copy next to a checkpoint (trust_remote_code)
     from .configuration_lazy import LazyLlamaConfig
