@@ -15,7 +15,7 @@ FOLDER_NAME = "smollm2-135m-instruct-lazy"
 def converted_smollm2() -> Path:
     """Folder of SmolLM2-135M-Instruct converted to LazyLlama (float32), converting it on first use."""
     from conversion.convert_llama_to_lazy import convert
-    from conversion.demo import BASE_MODEL, LICENSE
+    from demos.conversion_demo import BASE_MODEL, LICENSE
     from lazy_tools.data import cache_dir, smollm2_gguf_path
 
     folder = cache_dir() / FOLDER_NAME
