@@ -3,20 +3,23 @@
 vLLM's own backends compute softmax attention; Elastic-Softmax (`ReLU(softmax + tau / n)`) and the
 per-head distance bias need the whole score row and each query's position, so this backend:
 
-1. writes every new token's K and V into the paged cache (`do_kv_cache_update`): the cache of one layer
-   is vLLM's logical `[num_blocks, num_kv_heads, block_size, head_size + head_size_v]` view, K in the
-   first `head_size` channels, V in the rest (any physical layout vLLM picks);
-2. for each step, groups the scheduled requests (`LazyServingMetadata`, built once per step and shared by
-   every layer): each prefill or prefill chunk is one group of its own, all single-token decodes form one
-   padded group;
-3. gathers each group's keys and values from the cache into `[B, Hkv, Tk, D]` and calls the project's
-   exact CPU op `lazy_attention_torch` with a `LazyMetadata` built from vLLM's sequence lengths: query i
-   of a request with `c` cached tokens has position `c + i` (`n_i = c + i + 1`), key j has position j.
+1. asks vLLM for the head-major cache layout (`LBHNC`): one layer's cache is a contiguous
+   `[num_blocks, num_kv_heads, block_size, head_size + head_size_v]` tensor, K in the first `head_size`
+   channels, V in the rest, so one (block, head) page of `block_size` keys is one contiguous row;
+2. writes every new token's K and V into the paged cache with one `index_copy_` (`do_kv_cache_update`);
+3. for each step, groups the scheduled requests (`LazyServingMetadata`, built once per step and shared by
+   every layer, with every index tensor the layers need): prefills or prefill chunks of the same query and
+   key length form one group, all single-token decodes form one padded group;
+4. per layer and group, copies the group's pages out of the cache with one `index_select` straight into
+   `[B, Hkv, Tk, D + Dv]` (each request's and head's keys contiguous) and calls the project's exact CPU op
+   `lazy_attention_torch` with a `LazyMetadata` built from vLLM's sequence lengths: query i of a request
+   with `c` cached tokens has position `c + i` (`n_i = c + i + 1`), key j has position j.
 
 The cached K/V are post-RoPE keys and values, which do not depend on `tau` or the distance bias, so
 vLLM's prefix caching and chunked prefill work unchanged. The same PyTorch path runs on every device.
 """
 
+from collections import defaultdict
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -29,6 +32,7 @@ from vllm.v1.attention.backend import (
     AttentionType,
     CommonAttentionMetadata,
 )
+from vllm.v1.kv_cache_layout import KVCacheLayout
 
 from modeling_lazy.lazy_attention_reference import LazyMetadata
 from modeling_lazy.lazy_attention_torch import lazy_attention_torch
@@ -51,8 +55,7 @@ class LazyGroup:
     token_index: slice | torch.Tensor  # rows of the step's flat query tensor, in [B, Tq] order
     batch: int
     query_length: int
-    key_blocks: torch.Tensor  # [B, Tk] int64: cache block of key j (padding keys: any valid block)
-    key_offsets: torch.Tensor  # [B, Tk] int64: slot inside that block
+    pages: torch.Tensor  # [B * Hkv * blocks] int64: rows `block * Hkv + head` of the cache's page view
     metadata: LazyMetadata
 
 
@@ -74,14 +77,33 @@ def _lazy_metadata(q_pos: torch.Tensor, key_lengths: torch.Tensor, key_length: i
 
 
 class LazyAttentionMetadataBuilder(AttentionMetadataBuilder[LazyServingMetadata]):
-    """Turns vLLM's per-step batch description into `LazyGroup`s (positions, cache slots)."""
+    """Turns vLLM's per-step batch description into `LazyGroup`s (positions, cache pages)."""
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         self.block_size = kv_cache_spec.block_size
+        self.num_kv_heads = kv_cache_spec.num_kv_heads
 
-    def _slots(self, block_row: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return block_row[positions // self.block_size].long(), positions % self.block_size
+    def _group(self, requests: list[int], starts: list[int], seq_lens: list[int], block_table: torch.Tensor,
+               query_length: int) -> LazyGroup:
+        """One group: the last `query_length` tokens of each request are its queries, all its tokens its keys."""
+        lengths = torch.tensor([seq_lens[r] for r in requests])
+        key_length = int(lengths.max())
+        num_blocks = -(-key_length // self.block_size)
+        # a shorter request's missing pages repeat its last page (any valid page: its keys are padding)
+        last_page = (lengths + self.block_size - 1) // self.block_size - 1
+        columns = torch.minimum(torch.arange(num_blocks), last_page[:, None])
+        blocks = torch.gather(block_table[requests, :num_blocks].long(), 1, columns)  # [B, blocks]
+        pages = blocks[:, None, :] * self.num_kv_heads + torch.arange(self.num_kv_heads)[None, :, None]
+        q_pos = (lengths - query_length)[:, None] + torch.arange(query_length)  # cached tokens c, then c + i
+        causal = bool((lengths == key_length).all())
+        metadata = _lazy_metadata(q_pos, lengths, key_length, causal)
+        if len(requests) == 1:
+            token_index = slice(starts[requests[0]], starts[requests[0]] + query_length)
+        else:
+            token_index = (torch.tensor([starts[r] for r in requests])[:, None] + torch.arange(query_length)).view(-1)
+            token_index = token_index.to(self.device)
+        return LazyGroup(token_index, len(requests), query_length, pages.view(-1).to(self.device), metadata)
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> LazyServingMetadata:
@@ -90,33 +112,13 @@ class LazyAttentionMetadataBuilder(AttentionMetadataBuilder[LazyServingMetadata]
         starts = common.query_start_loc_cpu[: num_reqs + 1].tolist()
         seq_lens = common.seq_lens[:num_reqs].cpu().tolist()
         block_table = common.block_table_tensor[:num_reqs].cpu()
-        groups, decodes = [], []
+        same_shape = defaultdict(list)  # (query length, key length) -> requests; all decodes share one group
         for req in range(num_reqs):
-            start, stop, key_length = starts[req], starts[req + 1], seq_lens[req]
-            query_length = stop - start
-            if query_length == 0:
-                continue
-            if query_length == 1:
-                decodes.append(req)
-                continue
-            keys = torch.arange(key_length)
-            blocks, offsets = self._slots(block_table[req], keys)
-            q_pos = keys[key_length - query_length:][None]  # cached tokens c, then c + i
-            metadata = _lazy_metadata(q_pos, torch.tensor([key_length]), key_length, causal=True)
-            groups.append(LazyGroup(slice(start, stop), 1, query_length, blocks[None], offsets[None], metadata))
-        if decodes:
-            lengths = torch.tensor([seq_lens[r] for r in decodes])
-            key_length = int(lengths.max())
-            keys = torch.arange(key_length).expand(len(decodes), key_length)
-            keys = torch.minimum(keys, (lengths - 1)[:, None])  # padding repeats the last real key
-            rows = block_table[decodes]
-            blocks = torch.gather(rows, 1, keys // self.block_size).long()
-            offsets = keys % self.block_size
-            q_pos = (lengths - 1)[:, None]
-            causal = bool((lengths == key_length).all())
-            metadata = _lazy_metadata(q_pos, lengths, key_length, causal)
-            token_index = torch.tensor([starts[r] for r in decodes])
-            groups.append(LazyGroup(token_index, len(decodes), 1, blocks, offsets, metadata))
+            query_length = starts[req + 1] - starts[req]
+            if query_length > 0:
+                same_shape[(1, 0) if query_length == 1 else (query_length, seq_lens[req])].append(req)
+        groups = [self._group(requests, starts, seq_lens, block_table, query_length)
+                  for (query_length, _), requests in same_shape.items()]
         return LazyServingMetadata(num_actual_tokens=common.num_actual_tokens, groups=groups)
 
 
@@ -154,15 +156,15 @@ class LazyAttentionImpl(AttentionImpl[LazyServingMetadata]):
         """Write the step's post-RoPE K `[T, Hkv, D]` and V `[T, Hkv, Dv]` into their cache slots."""
         count = slot_mapping.shape[0]
         slots = slot_mapping.long()
+        kv = torch.cat([key[:count], value[:count]], dim=-1).to(kv_cache.dtype)  # [T, Hkv, D + Dv]
         valid = slots >= 0  # padded tokens carry -1
         if not bool(valid.all()):
-            slots, key, value = slots[valid], key[:count][valid], value[:count][valid]
-        else:
-            key, value = key[:count], value[:count]
-        block_size = kv_cache.shape[2]
-        head_size = key.shape[-1]
-        kv_cache[slots // block_size, :, slots % block_size, :head_size] = key.to(kv_cache.dtype)
-        kv_cache[slots // block_size, :, slots % block_size, head_size:] = value.to(kv_cache.dtype)
+            slots, kv = slots[valid], kv[valid]
+        _, kv_heads, block_size, width = kv_cache.shape
+        block, offset = slots // block_size, slots % block_size
+        heads = torch.arange(kv_heads, device=slots.device)
+        rows = (block[:, None] * kv_heads + heads) * block_size + offset[:, None]  # [T, Hkv]
+        _token_rows(kv_cache).index_copy_(0, rows.view(-1), kv.view(-1, width))
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,
                 output_block_scale=None) -> torch.Tensor:
@@ -171,16 +173,29 @@ class LazyAttentionImpl(AttentionImpl[LazyServingMetadata]):
             raise NotImplementedError("LazyLlama on vLLM does not fuse output quantization.")
         if attn_metadata is None:  # vLLM's profiling run: no cache yet, nothing to attend
             return output
-        heads = torch.arange(kv_cache.shape[1], device=kv_cache.device)[None, :, None]
+        _, kv_heads, block_size, width = kv_cache.shape
+        pages = _token_rows(kv_cache).view(-1, block_size * width)  # [num_blocks * Hkv, block_size * (D + Dv)]
         for group in attn_metadata.groups:
-            # one gather straight into [B, Hkv, Tk, D + Dv]: each (request, head) matrix is contiguous
-            cached = kv_cache[group.key_blocks[:, None, :], heads, group.key_offsets[:, None, :]]
+            # one row copy per (request, head, block): [B, Hkv, blocks * block_size, D + Dv], each matrix contiguous
+            cached = pages.index_select(0, group.pages).view(group.batch, kv_heads, -1, width)
             k, v = cached[..., : self.head_size], cached[..., self.head_size:]
             q = query[group.token_index].view(group.batch, group.query_length, self.num_heads, self.head_size)
             out = lazy_attention_torch(q.transpose(1, 2), k, v, self.tau, self.distance_bias, group.metadata,
                                        self.scale)  # [B, Tq, Hq, Dv]
-            output[group.token_index] = out.reshape(-1, self.num_heads, out.shape[-1]).to(output.dtype)
+            out = out.reshape(-1, self.num_heads, out.shape[-1]).to(output.dtype)
+            if isinstance(group.token_index, slice):
+                output[group.token_index] = out
+            else:
+                output.index_copy_(0, group.token_index, out)
         return output
+
+
+def _token_rows(kv_cache: torch.Tensor) -> torch.Tensor:
+    """`[num_blocks * Hkv * block_size, D + Dv]` view of one layer's cache (LBHNC: contiguous per layer)."""
+    if not kv_cache.is_contiguous():
+        raise RuntimeError(f"LazyLlama on vLLM needs the LBHNC KV-cache layout; got strides {kv_cache.stride()} "
+                           "(unset VLLM_KV_CACHE_LAYOUT).")
+    return kv_cache.view(-1, kv_cache.shape[-1])
 
 
 class LazyAttentionBackend(AttentionBackend):
@@ -205,6 +220,10 @@ class LazyAttentionBackend(AttentionBackend):
     @classmethod
     def supports_attn_type(cls, attn_type: str) -> bool:
         return attn_type == AttentionType.DECODER
+
+    @classmethod
+    def supported_kv_cache_layouts(cls) -> tuple[KVCacheLayout, ...]:
+        return (KVCacheLayout.LBHNC,)  # head-major pages: one index_select gathers [B, Hkv, Tk, D + Dv]
 
 
 __all__ = ["LazyAttentionBackend", "register_backend_name"]
