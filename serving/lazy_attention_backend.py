@@ -4,16 +4,17 @@ vLLM's own backends compute softmax attention; Elastic-Softmax (`ReLU(softmax + 
 per-head distance bias need the whole score row and each query's position, so this backend:
 
 1. asks vLLM for the head-major cache layout (`LBHNC`): one layer's cache is a contiguous
-   `[num_blocks, num_kv_heads, block_size, head_size + head_size_v]` tensor, K in the first `head_size`
-   channels, V in the rest, so one (block, head) page of `block_size` keys is one contiguous row;
-2. writes every new token's K and V into the paged cache with one `index_copy_` (`do_kv_cache_update`);
+   `[num_blocks, num_kv_heads, block_size, head_size + head_size_v]` tensor whose (block, head) pages
+   this backend fills as `block_size` keys followed by `block_size` values (`_split_pages`);
+2. writes every new token's K and V into their pages (`do_kv_cache_update`);
 3. for each step, groups the scheduled requests (`LazyServingMetadata`, built once per step and shared by
    every layer, with every index tensor the layers need): prefills or prefill chunks of the same query and
    key length form one group, all single-token decodes form one padded group;
-4. per layer and group, copies the group's pages out of the cache with one `index_select` straight into
-   `[B, Hkv, Tk, D + Dv]` (each request's and head's keys contiguous) and calls the project's exact CPU op
-   `lazy_attention_torch` with a `LazyMetadata` built from vLLM's sequence lengths: query i of a request
-   with `c` cached tokens has position `c + i` (`n_i = c + i + 1`), key j has position j.
+4. per layer and group, copies the group's key pages and value pages out of the cache with one
+   `index_select` each, straight into contiguous `[B, Hkv, Tk, D]` keys and values, and calls the
+   project's exact CPU op `lazy_attention_torch` with a `LazyMetadata` built from vLLM's sequence
+   lengths: query i of a request with `c` cached tokens has position `c + i` (`n_i = c + i + 1`), key j
+   has position j.
 
 The cached K/V are post-RoPE keys and values, which do not depend on `tau` or the distance bias, so
 vLLM's prefix caching and chunked prefill work unchanged. The same PyTorch path runs on every device.
@@ -156,15 +157,17 @@ class LazyAttentionImpl(AttentionImpl[LazyServingMetadata]):
         """Write the step's post-RoPE K `[T, Hkv, D]` and V `[T, Hkv, Dv]` into their cache slots."""
         count = slot_mapping.shape[0]
         slots = slot_mapping.long()
-        kv = torch.cat([key[:count], value[:count]], dim=-1).to(kv_cache.dtype)  # [T, Hkv, D + Dv]
+        key, value = key[:count], value[:count]
         valid = slots >= 0  # padded tokens carry -1
         if not bool(valid.all()):
-            slots, kv = slots[valid], kv[valid]
-        _, kv_heads, block_size, width = kv_cache.shape
-        block, offset = slots // block_size, slots % block_size
-        heads = torch.arange(kv_heads, device=slots.device)
-        rows = (block[:, None] * kv_heads + heads) * block_size + offset[:, None]  # [T, Hkv]
-        _token_rows(kv_cache).index_copy_(0, rows.view(-1), kv.view(-1, width))
+            slots, key, value = slots[valid], key[valid], value[valid]
+        block_size = kv_cache.shape[2]
+        heads = torch.arange(kv_cache.shape[1], device=slots.device)
+        page = (slots // block_size)[:, None] * kv_cache.shape[1] + heads  # [T, Hkv]
+        offset = (slots % block_size)[:, None]
+        keys, values = _split_pages(kv_cache, self.head_size)
+        keys.view(keys.shape[0], block_size, -1)[page, offset] = key.to(kv_cache.dtype)
+        values.view(values.shape[0], block_size, -1)[page, offset] = value.to(kv_cache.dtype)
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,
                 output_block_scale=None) -> torch.Tensor:
@@ -173,12 +176,12 @@ class LazyAttentionImpl(AttentionImpl[LazyServingMetadata]):
             raise NotImplementedError("LazyLlama on vLLM does not fuse output quantization.")
         if attn_metadata is None:  # vLLM's profiling run: no cache yet, nothing to attend
             return output
-        _, kv_heads, block_size, width = kv_cache.shape
-        pages = _token_rows(kv_cache).view(-1, block_size * width)  # [num_blocks * Hkv, block_size * (D + Dv)]
+        kv_heads = kv_cache.shape[1]
+        keys, values = _split_pages(kv_cache, self.head_size)
         for group in attn_metadata.groups:
-            # one row copy per (request, head, block): [B, Hkv, blocks * block_size, D + Dv], each matrix contiguous
-            cached = pages.index_select(0, group.pages).view(group.batch, kv_heads, -1, width)
-            k, v = cached[..., : self.head_size], cached[..., self.head_size:]
+            # one row copy per (request, head, block) each: contiguous [B, Hkv, blocks * block_size, D]
+            k = keys.index_select(0, group.pages).view(group.batch, kv_heads, -1, self.head_size)
+            v = values.index_select(0, group.pages).view(group.batch, kv_heads, k.shape[2], -1)
             q = query[group.token_index].view(group.batch, group.query_length, self.num_heads, self.head_size)
             out = lazy_attention_torch(q.transpose(1, 2), k, v, self.tau, self.distance_bias, group.metadata,
                                        self.scale)  # [B, Tq, Hq, Dv]
@@ -190,12 +193,19 @@ class LazyAttentionImpl(AttentionImpl[LazyServingMetadata]):
         return output
 
 
-def _token_rows(kv_cache: torch.Tensor) -> torch.Tensor:
-    """`[num_blocks * Hkv * block_size, D + Dv]` view of one layer's cache (LBHNC: contiguous per layer)."""
+def _split_pages(kv_cache: torch.Tensor, head_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(keys [P, block_size * D], values [P, block_size * Dv])`: row `block * Hkv + head` is one page.
+
+    This backend alone reads and writes its cache, so it stores each (block, head) page of
+    `block_size * (D + Dv)` values as all the page's keys followed by all its values: gathered pages are
+    then contiguous K and V matrices. Needs the LBHNC layout (one layer's cache is contiguous).
+    """
     if not kv_cache.is_contiguous():
         raise RuntimeError(f"LazyLlama on vLLM needs the LBHNC KV-cache layout; got strides {kv_cache.stride()} "
                            "(unset VLLM_KV_CACHE_LAYOUT).")
-    return kv_cache.view(-1, kv_cache.shape[-1])
+    num_blocks, kv_heads, block_size, width = kv_cache.shape
+    pages = kv_cache.view(num_blocks * kv_heads, block_size * width)
+    return pages[:, : block_size * head_size], pages[:, block_size * head_size:]
 
 
 class LazyAttentionBackend(AttentionBackend):
