@@ -5,7 +5,9 @@
 REQUEST.json: {"model": dir, "engine": {LLM keyword arguments}, "runs": [{"prompts": [[token ids], ...],
 "max_tokens": n, "tau": optional float set on every head before the run (the prefix cache is reset then)}, ...]}.
 Each run submits all its prompts together (greedy).
-Prints one line `RESULT {"runs": [[{"tokens": [...], "cached": n}, ...]]}`.
+Prints one line `RESULT {"runs": [[{"tokens": [...], "logprobs": [...], "cached": n}, ...]], "async_scheduling": b}`:
+`logprobs` are vLLM's log-probabilities of the chosen tokens (raw logits, float32); `async_scheduling` is what
+the engine runs with after vLLM's platform checks.
 The engine runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0) so that a run can change tau in place.
 """
 
@@ -43,11 +45,14 @@ def main(path: str) -> None:
             # A layer's cached K/V come from the layers below it, whose attention uses tau: after
             # changing the weights, cached prefixes belong to another model.
             assert llm.reset_prefix_cache(), "could not reset the prefix cache"
-        params = SamplingParams(temperature=0.0, max_tokens=run["max_tokens"], ignore_eos=True)
+        params = SamplingParams(temperature=0.0, max_tokens=run["max_tokens"], ignore_eos=True, logprobs=0)
         outputs = llm.generate([{"prompt_token_ids": ids} for ids in run["prompts"]], params, use_tqdm=False)
-        results.append([{"tokens": list(out.outputs[0].token_ids), "cached": out.num_cached_tokens or 0}
+        results.append([{"tokens": list(out.outputs[0].token_ids), "cached": out.num_cached_tokens or 0,
+                         "logprobs": [step[token].logprob for step, token in zip(out.outputs[0].logprobs,
+                                                                                 out.outputs[0].token_ids)]}
                         for out in outputs])
-    print("RESULT " + json.dumps({"runs": results}), flush=True)
+    async_scheduling = llm.llm_engine.vllm_config.scheduler_config.async_scheduling
+    print("RESULT " + json.dumps({"runs": results, "async_scheduling": async_scheduling}), flush=True)
 
 
 if __name__ == "__main__":

@@ -41,11 +41,12 @@ def run_vllm(tmp_path: Path, model: Path, runs: list[dict], timeout: int = 900, 
     return proc
 
 
-def results(proc) -> list:
+def results(proc, key: str = "runs"):
+    """The worker's `RESULT` entry `key` (its runs, or `async_scheduling`)."""
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     if proc.returncode != 0 or not lines:
         pytest.fail(f"vLLM worker failed (exit {proc.returncode}):\n{(proc.stdout + proc.stderr)[-4000:]}")
-    return json.loads(lines[-1][len("RESULT "):])["runs"]
+    return json.loads(lines[-1][len("RESULT "):])[key]
 
 
 def greedy(model, prompt: list[int], new_tokens: int) -> list[int]:
@@ -101,6 +102,27 @@ def test_random_lazy_llama_mixed_batches_chunked_prefill_and_prefix_cache(tmp_pa
             layer.self_attn.distance_bias.zero_()
     softmax = [greedy(model, prompt, new_tokens) for prompt in first]
     assert any(s != got["tokens"] for s, got in zip(softmax, runs[0])), "tau/bias had no effect on the tokens"
+
+
+def test_async_scheduling_greedy_tokens_and_logprobs_equal_generate(tmp_path, rng_seed):
+    """With `async_scheduling=True` (what the OpenAI server asks for by default), prompts of mixed lengths
+    prefilled in chunks: the greedy tokens equal generate() and vLLM's log-probability of every chosen token
+    equals the transformers model's, i.e. the distribution the server samples from is the model's."""
+    print(f"seed {rng_seed}")
+    folder = random_lazy_folder(tmp_path / "model", rng_seed)
+    model = LazyLlamaForCausalLM.from_pretrained(folder).eval()
+    gen = torch.Generator().manual_seed(rng_seed)
+    prompts = [torch.randint(3, 128, (n,), generator=gen).tolist() for n in (4, 29, 61, 100)]
+    new_tokens = 10
+    proc = run_vllm(tmp_path, folder, [{"prompts": prompts, "max_tokens": new_tokens}], async_scheduling=True)
+    print(f"engine async_scheduling after vLLM's platform checks: {results(proc, 'async_scheduling')}")
+    for got, prompt in zip(results(proc)[0], prompts):
+        expected = greedy(model, prompt, new_tokens)
+        assert got["tokens"] == expected, f"prompt of {len(prompt)} tokens, seed {rng_seed}"
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + expected])).logits[0, len(prompt) - 1: -1]
+        chosen = logits.log_softmax(-1).gather(-1, torch.tensor(expected)[:, None])[:, 0]
+        torch.testing.assert_close(torch.tensor(got["logprobs"]), chosen, rtol=0, atol=1e-4)
 
 
 def test_converted_smollm2_at_tau_0_and_minus_half(tmp_path):
