@@ -77,6 +77,8 @@ _CONFIGS = {
         ("causal_fwd", 128): (128, 64, 8, 2),
         ("decode", 64): (16, 64, 4, 2),
         ("decode", 128): (16, 64, 4, 2),
+        ("packed_decode", 64): (16, 128, 4, 3),
+        ("packed_decode", 128): (16, 128, 4, 3),
         ("delta", 64): (64, 64, 4, 2),
         ("delta", 128): (64, 64, 8, 2),
         ("dq", 64): (64, 64, 4, 2),
@@ -91,6 +93,8 @@ _CONFIGS = {
         ("causal_fwd", 128): (64, 32, 4, 2),
         ("decode", 64): (16, 64, 4, 2),
         ("decode", 128): (16, 64, 4, 2),
+        ("packed_decode", 64): (16, 128, 4, 3),
+        ("packed_decode", 128): (16, 128, 4, 3),
         ("delta", 64): (64, 64, 4, 2),
         ("delta", 128): (64, 64, 8, 2),
         ("dq", 64): (64, 32, 8, 2),
@@ -328,6 +332,7 @@ def _lazy_fwd_split_out_kernel(Q, K, V, TAU, BIAS, QPOS, KPOS, QSEG, KSEG, LSE, 
 # ---------------------------------------------------------------------------------------------------
 
 LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
 
 
 @triton.jit
@@ -455,6 +460,163 @@ def _lazy_causal_fwd_kernel(Q, K, V, TAU, BAND, QPOS, OUT, LSE,
     tl.store(out_ptrs, acc.to(OUT.dtype.element_ty), mask=row_mask[:, None] & (offs_d[None, :] < D))
     tl.store(LSE + pid_bh.to(tl.int64) * Tq + rows, tl.where(alive, lse2 * 0.6931471805599453, _DEAD_ROW_LSE),
              mask=row_mask)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Packed decode (plain layout, query length <= DECODE_MAX_QUERIES; and vLLM's paged cache). The query heads of one
+# GQA group times the query rows are packed as the rows of one tile (`r = g * Tq + t`; rows past G * Tq repeat the
+# last one and are not stored), so one program reads each K and V tile of its slice of keys (split-K) once per KV
+# head. Query row t of batch row b stands at key index `k_len_b - Tq + t` (`k_len_b`: that row's key length; the
+# keys beyond it are invisible, whatever the cache holds there); its distance to key j is that index minus j and
+# n = q_pos + 1. Scores are in log2 units (exp2), the distance bias from the causal fast path's band. Two passes:
+#     _lazy_decode_lse_kernel   scores of the slice, kept in a float32 scratch (4 bytes per real row and key, less
+#                               than re-reading K), and the slice's partial row max / sum of exp2
+#     (torch)                   combine the partials into each row's log-sum-exp
+#     _lazy_decode_out_kernel   reads the kept scores, not K: weights ReLU(p + tau/n), `a @ V`; a V tile whose
+#                               weights are all zero for every row of the group is not read (its load is masked off)
+# Each pass runs two loops: keys at distance >= W from every row (no bias, every key visible), then the keys from
+# there to the slice's end (band gather; the band's -inf past the causal limit). Loads carry masks but no `if`, so
+# Triton pipelines them. PAGE_SIZE > 0: key j of batch row b lives in block BLOCK_TABLE[b, j // PAGE_SIZE], slot
+# j % PAGE_SIZE, of a `[num_blocks, Hkv, PAGE_SIZE, D]` cache (stride_kb / stride_vb step over blocks).
+# ---------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _cache_rows(BT, keys, k_len, base, stride_b, stride_t, PAGE_SIZE: tl.constexpr):
+    """int64 `[BN]` offsets of the cache rows of `keys` of one (batch row, KV head); `base`: the head's offset plus,
+    contiguous, the batch row's; paged, each key's block comes from the batch row's block table `BT`."""
+    if PAGE_SIZE > 0:
+        block = tl.load(BT + keys // PAGE_SIZE, mask=keys < k_len, other=0).to(tl.int64)
+        return base + block * stride_b + (keys % PAGE_SIZE) * stride_t
+    else:
+        return base + keys.to(tl.int64) * stride_t
+
+
+@triton.jit
+def _load_cache(ptr, offsets, offs_d, key_mask, D: tl.constexpr):
+    """`[BN, BLOCK_D]` cache rows at `offsets`; rows where `key_mask` is false (and columns >= D) read as 0."""
+    return tl.load(ptr + offsets[:, None] + offs_d[None, :], mask=key_mask[:, None] & (offs_d[None, :] < D),
+                   other=0.0)
+
+
+@triton.jit
+def _decode_rows(KLEN, BLOCK_TABLE, stride_b, stride_h, stride_tb, Hkv, Tq, GROUPS, KEYS_PER_SPLIT,
+                 BLOCK_M: tl.constexpr, PAGE_SIZE: tl.constexpr):
+    """Prologue of both decode passes. Grid: (splits, B * Hkv, cdiv(GROUPS * Tq, BM)). Returns the program's packed
+    rows (query head `h`, query row `t`, flat `(b, h, t)` index `row_id`), their key indices, its keys [lo, hi), the
+    cache offset of its KV head and its block-table row."""
+    split = tl.program_id(0)
+    pid_bkv = tl.program_id(1)
+    b = pid_bkv // Hkv
+    hk = pid_bkv % Hkv
+    packed = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_mask = packed < GROUPS * Tq
+    rows = tl.minimum(packed, GROUPS * Tq - 1)  # padding rows repeat the last row: their loads need no mask
+    h = hk * GROUPS + rows // Tq
+    t = rows % Tq
+    k_len = tl.load(KLEN + b)
+    lo = split * KEYS_PER_SPLIT
+    hi = tl.minimum(lo + KEYS_PER_SPLIT, k_len)
+    if PAGE_SIZE > 0:
+        kv_base = hk.to(tl.int64) * stride_h
+    else:
+        kv_base = b.to(tl.int64) * stride_b + hk.to(tl.int64) * stride_h
+    row_id = pid_bkv.to(tl.int64) * GROUPS * Tq + rows
+    return (split, b, h, t, row_id, row_mask, k_len, k_len - Tq + t, lo, hi, kv_base,
+            BLOCK_TABLE + b.to(tl.int64) * stride_tb)
+
+
+@triton.jit
+def _decode_lse_tiles(q, m_i, l_i, K, BT, kv_base, scores, row_mask, band, diagonal, lo, hi, k_len, stride_kb,
+                      stride_kt, scale_log2, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, D: tl.constexpr,
+                      PAGE_SIZE: tl.constexpr, BIAS: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    """Decode pass 1 over key tiles [lo, hi): scores (log2 units) to `scores + key`, running row max / sum of exp2."""
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    for start_n in range(lo, hi, BLOCK_N):
+        keys = start_n + offs_n
+        k = _load_cache(K, _cache_rows(BT, keys, k_len, kv_base, stride_kb, stride_kt, PAGE_SIZE), offs_d,
+                        keys < k_len, D)
+        s = _causal_scores(q, k, band, start_n, diagonal, scale_log2, BIAS, True, UPCAST, PRECISION)  # [BM, BN]
+        tl.store(scores + keys[None, :], s, mask=row_mask[:, None] & (keys < hi)[None, :])
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        l_i = l_i * tl.exp2(m_i - m_new) + tl.sum(tl.exp2(s - m_new[:, None]), 1)
+        m_i = m_new
+    return m_i, l_i
+
+
+@triton.jit
+def _decode_out_tiles(acc, V, BT, kv_base, scores, lse2, threshold, q_key_idx, lo, hi, k_len, stride_vb, stride_vt,
+                      BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, D: tl.constexpr, PAGE_SIZE: tl.constexpr,
+                      CAUSAL_LIMIT: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    """Decode pass 2 over key tiles [lo, hi): `acc += ReLU(p + tau/n) @ V` from the kept scores; `CAUSAL_LIMIT`
+    tiles zero the keys after a row (with tau > 0 they would otherwise get tau/n)."""
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    for start_n in range(lo, hi, BLOCK_N):
+        keys = start_n + offs_n
+        s = tl.load(scores + keys[None, :], mask=(keys < hi)[None, :], other=float("-inf"))
+        a = tl.maximum(tl.exp2(s - lse2[:, None]) + threshold[:, None], 0.0)  # float32 threshold test
+        if CAUSAL_LIMIT:
+            a = tl.where(keys[None, :] <= q_key_idx[:, None], a, 0.0)
+        live = (keys < k_len) & (tl.max(a) > 0.0)  # an all-zero tile reads no V
+        v = _load_cache(V, _cache_rows(BT, keys, k_len, kv_base, stride_vb, stride_vt, PAGE_SIZE), offs_d, live, D)
+        acc = _dot(a.to(v.dtype), v, UPCAST, PRECISION, acc)
+    return acc
+
+
+@triton.jit
+def _lazy_decode_lse_kernel(Q, K, BAND, KLEN, BLOCK_TABLE, SCORES, M_PART, L_PART,
+                            stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt, stride_tb,
+                            Hq, Hkv, Tq, W, GROUPS, KEYS_PER_SPLIT, KEY_CAPACITY, BAND_LEN, scale_log2,
+                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, D: tl.constexpr,
+                            PAGE_SIZE: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    """Decode pass 1: scores -> SCORES [B, Hq, Tq, KEY_CAPACITY] (log2 units), partial row max / sum of exp2 ->
+    M_PART, L_PART [splits, B, Hq, Tq]. Grid: (splits, B * Hkv, cdiv(GROUPS * Tq, BM))."""
+    split, b, h, t, row_id, row_mask, k_len, q_key_idx, lo, hi, kv_base, BT = _decode_rows(
+        KLEN, BLOCK_TABLE, stride_kb, stride_kh, stride_tb, Hkv, Tq, GROUPS, KEYS_PER_SPLIT, BLOCK_M, PAGE_SIZE)
+    offs_d = tl.arange(0, BLOCK_D)
+    q = tl.load(Q + b.to(tl.int64) * stride_qb + h[:, None].to(tl.int64) * stride_qh + t[:, None] * stride_qt
+                + offs_d[None, :], mask=offs_d[None, :] < D, other=0.0)
+    far = tl.maximum(k_len - Tq - W + 1, 0) // BLOCK_N * BLOCK_N  # keys below it are >= W behind every row
+    band = (BAND + h * BAND_LEN + BLOCK_M + BLOCK_N)[:, None]  # + distance: log2(e) beta_h(distance)
+    diagonal = q_key_idx[:, None] - tl.arange(0, BLOCK_N)[None, :]  # distance of tile column n, + start_n
+    scores = (SCORES + row_id * KEY_CAPACITY)[:, None]
+    m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)  # finite: a tile of -inf scores keeps exp2() at 0, never NaN
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    m_i, l_i = _decode_lse_tiles(q, m_i, l_i, K, BT, kv_base, scores, row_mask, band, diagonal, lo,
+                                 tl.minimum(hi, far), k_len, stride_kb, stride_kt, scale_log2, BLOCK_N, BLOCK_D, D,
+                                 PAGE_SIZE, False, UPCAST, PRECISION)
+    m_i, l_i = _decode_lse_tiles(q, m_i, l_i, K, BT, kv_base, scores, row_mask, band + Hq * BAND_LEN, diagonal,
+                                 tl.maximum(lo, far), hi, k_len, stride_kb, stride_kt, scale_log2, BLOCK_N, BLOCK_D, D,
+                                 PAGE_SIZE, True, UPCAST, PRECISION)
+    part = (split * tl.num_programs(1) * GROUPS * Tq).to(tl.int64) + row_id  # [splits, B, Hq, Tq]
+    tl.store(M_PART + part, m_i, mask=row_mask)
+    tl.store(L_PART + part, l_i, mask=row_mask)
+
+
+@triton.jit
+def _lazy_decode_out_kernel(V, TAU, QPOS, KLEN, BLOCK_TABLE, SCORES, LSE2, O_PART,
+                            stride_vb, stride_vh, stride_vt, stride_tb,
+                            Hq, Hkv, Tq, GROUPS, KEYS_PER_SPLIT, KEY_CAPACITY,
+                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, D: tl.constexpr,
+                            PAGE_SIZE: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    """Decode pass 2: partial float32 outputs of one key slice -> O_PART [splits, B, Tq, Hq, D] (summed after);
+    LSE2 [B, Hq, Tq]: row log-sum-exp in log2 units, DEAD_ROW_LSE for a row without a normaliser."""
+    split, b, h, t, row_id, row_mask, k_len, q_key_idx, lo, hi, kv_base, BT = _decode_rows(
+        KLEN, BLOCK_TABLE, stride_vb, stride_vh, stride_tb, Hkv, Tq, GROUPS, KEYS_PER_SPLIT, BLOCK_M, PAGE_SIZE)
+    far = tl.maximum(k_len - Tq + 1, 0) // BLOCK_N * BLOCK_N  # keys below it are visible to every row
+    scores = (SCORES + row_id * KEY_CAPACITY)[:, None]
+    lse2 = tl.load(LSE2 + row_id)
+    threshold = _row_threshold(tl.load(TAU + h), tl.load(QPOS + b * Tq + t), lse2)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    acc = _decode_out_tiles(acc, V, BT, kv_base, scores, lse2, threshold, q_key_idx, lo, tl.minimum(hi, far), k_len,
+                            stride_vb, stride_vt, BLOCK_N, BLOCK_D, D, PAGE_SIZE, False, UPCAST, PRECISION)
+    acc = _decode_out_tiles(acc, V, BT, kv_base, scores, lse2, threshold, q_key_idx, tl.maximum(lo, far), hi, k_len,
+                            stride_vb, stride_vt, BLOCK_N, BLOCK_D, D, PAGE_SIZE, True, UPCAST, PRECISION)
+    offs_d = tl.arange(0, BLOCK_D)
+    out = O_PART + (((split * (tl.num_programs(1) // Hkv) + b).to(tl.int64) * Tq + t[:, None]) * Hq + h[:, None]) * D
+    tl.store(out + offs_d[None, :], acc, mask=row_mask[:, None] & (offs_d[None, :] < D))
 
 
 @triton.jit
@@ -703,9 +865,10 @@ def _forward(query, key, value, tau, distance_bias, q_pos, k_pos, q_seg, k_seg, 
     """Launch the forward. Returns `(out [B, Tq, Hq, D], lse [B, Hq, Tq] float32, stats int32 or None)`.
 
     `causal` (the metadata's plain causal layout) runs the causal fast path for query lengths > 16: dense (no
-    tile skipping, `skip` is ignored), reads no per-key metadata. `num_splits` (None: automatic) > 1 runs the
-    split-K kernels (only used for query length <= 16). `stats` (only when `with_stats`, general path) holds per
-    program `(visited key tiles, visible key tiles)`.
+    tile skipping, `skip` is ignored), reads no per-key metadata; for query lengths <= 16 (without `with_stats`)
+    it runs the packed decode (`_packed_decode`). `num_splits` (None: automatic) > 1 runs the split-K kernels (only
+    used for query length <= 16; the packed decode's splits too). `stats` (only when `with_stats`, general path)
+    holds per program `(visited key tiles, visible key tiles)`.
     """
     block_d = _check_inputs(query, key)
     bsz, num_heads, q_len, dim = query.shape
@@ -714,6 +877,9 @@ def _forward(query, key, value, tau, distance_bias, q_pos, k_pos, q_seg, k_seg, 
     decode = q_len <= DECODE_MAX_QUERIES
     if causal and not decode and not with_stats:
         return _causal_forward(query, key, value, tau, distance_bias, q_pos, scaling, block_d) + (None,)
+    if causal and decode and not with_stats:  # plain layout: every row's key length is Tk
+        key_lengths = torch.full((bsz,), k_len, dtype=torch.int32, device=query.device)
+        return _packed_decode(query, key, value, tau, distance_bias, q_pos, key_lengths, scaling, num_splits) + (None,)
     block_m, block_n, num_warps, num_stages = _config("decode" if decode else "fwd", block_d,
                                                       _gpu_family(query.device))
     q_tiles = triton.cdiv(q_len, block_m)
@@ -775,6 +941,56 @@ def _causal_forward(query, key, value, tau, distance_bias, q_pos, scaling, block
         PRECISION=_DOT_PRECISION[query.dtype], num_warps=num_warps, num_stages=num_stages)
     return out, lse
 
+
+
+def _packed_decode(query, key, value, tau, distance_bias, q_pos, key_lengths, scaling, num_splits=None,
+                   block_table=None, key_capacity=None):
+    """Launch the packed decode: `(out [B, Tq, Hq, D], lse [B, Hq, Tq] float32)`.
+
+    query `[B, Hq, Tq, D]`, Tq <= DECODE_MAX_QUERIES; key, value `[B, Hkv, >= key length, D]`, or with
+    `block_table [B, max blocks]` int32 the paged caches `[num_blocks, Hkv, page size, D]`; q_pos `[B, Tq]` int32
+    (n = q_pos + 1); key_lengths `[B]` int32: query row t of batch row b stands at key index
+    `key_lengths[b] - Tq + t`. `key_capacity` bounds the key lengths (default: the key buffer's length, paged: max
+    blocks x page size); the float32 score scratch holds `B x Hq x Tq x key_capacity`. `num_splits`: None, automatic.
+    """
+    block_d = _check_inputs(query, key)
+    bsz, num_heads, q_len, dim = query.shape
+    kv_heads, window = key.shape[1], distance_bias.shape[-1]
+    groups = num_heads // kv_heads
+    page_size = 0 if block_table is None else key.shape[2]
+    if key_capacity is None:
+        key_capacity = key.shape[2] if block_table is None else block_table.shape[1] * page_size
+    block_m, block_n, num_warps, num_stages = _config("packed_decode", block_d, _gpu_family(query.device))
+    row_tiles = triton.cdiv(groups * q_len, block_m)
+    if num_splits is None:
+        num_splits = _device_splits(bsz * kv_heads, row_tiles, key_capacity, query.device)
+    keys_per_split = triton.cdiv(triton.cdiv(key_capacity, num_splits), block_n) * block_n
+    num_splits = triton.cdiv(key_capacity, keys_per_split)
+    grid = (num_splits, bsz * kv_heads, row_tiles)
+    band = _bias_band(distance_bias, scaling, block_m, block_n)
+    f32 = dict(dtype=torch.float32, device=query.device)
+    scores = torch.empty(bsz, num_heads, q_len, key_capacity, **f32)
+    m_part = torch.empty(num_splits, bsz, num_heads, q_len, **f32)
+    l_part = torch.empty_like(m_part)
+    paging = dict(KLEN=key_lengths, BLOCK_TABLE=key_lengths if block_table is None else block_table,
+                  stride_tb=0 if block_table is None else block_table.stride(0), PAGE_SIZE=page_size)
+    sizes = dict(Hq=num_heads, Hkv=kv_heads, Tq=q_len, GROUPS=groups, KEYS_PER_SPLIT=keys_per_split,
+                 KEY_CAPACITY=key_capacity)
+    meta = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, D=dim, UPCAST=_INTERPRET,
+                PRECISION=_DOT_PRECISION[query.dtype], num_warps=num_warps, num_stages=num_stages)
+    _lazy_decode_lse_kernel[grid](
+        Q=query, K=key, BAND=band, **paging, SCORES=scores, M_PART=m_part, L_PART=l_part, **_strides("q", query),
+        **_strides("k", key), **sizes, W=window, BAND_LEN=band.shape[-1], scale_log2=scaling * LOG2E, **meta)
+    m_max = m_part.amax(0)
+    l_sum = (l_part * torch.exp2(m_part - m_max)).sum(0)
+    alive = l_sum > 0
+    lse2 = torch.where(alive, m_max + torch.log2(torch.where(alive, l_sum, 1.0)), DEAD_ROW_LSE)
+    o_part = torch.empty(num_splits, bsz, q_len, num_heads, dim, **f32)
+    _lazy_decode_out_kernel[grid](
+        V=value, TAU=tau.detach().to(torch.float32).contiguous(), QPOS=q_pos, **paging, SCORES=scores, LSE2=lse2,
+        O_PART=o_part, **_strides("v", value), **sizes, **meta)
+    lse = torch.where(alive, lse2 * LN2, DEAD_ROW_LSE)
+    return o_part.sum(0).to(query.dtype), lse
 
 def _backward(grad_out, query, key, value, tau, distance_bias, q_pos, k_pos, q_seg, k_seg, lse, scaling,
               skip=True):
@@ -870,6 +1086,33 @@ def lazy_attention_triton(query, key, value, tau, distance_bias, metadata: "Lazy
     return LazyAttentionTritonFunction.apply(query, key, value, tau, distance_bias, metadata, float(scaling))
 
 
+
+def lazy_attention_triton_paged_decode(query, kv_cache, block_table, seq_lens, tau, distance_bias, scaling,
+                                       max_seq_len=None):
+    """Lazy Attention for one new token per request against vLLM's paged cache (forward only).
+
+    Args:
+        query: `[R, Hq, D]`, the token of request r at position `seq_lens[r] - 1` (its key already in the cache).
+        kv_cache: one layer's `[num_blocks, Hkv, block_size, 2 D]`: K in the first D channels, V in the last D.
+        block_table: `[R, max_blocks]` int32; key j of request r is in block `block_table[r, j // block_size]`,
+            slot `j % block_size`.
+        seq_lens: `[R]` keys per request (the new token's included); keys beyond them are never read.
+        tau: `[Hq]` float32; distance_bias: `[Hq, W]` float32; scaling: score scale.
+        max_seq_len: an upper bound of seq_lens (int; sizes the float32 score scratch, `R x Hq x max_seq_len`);
+            default `max_blocks x block_size`.
+    Returns:
+        `[R, Hq, D]` in the query dtype.
+    """
+    dim = query.shape[-1]
+    if kv_cache.shape[-1] != 2 * dim:
+        raise ValueError(f"kv_cache's last dim must hold K and V of head_dim {dim} ({2 * dim}), got {kv_cache.shape}")
+    seq_lens = seq_lens.to(device=query.device, dtype=torch.int32).contiguous()
+    q_pos = (seq_lens - 1)[:, None].contiguous()
+    out, _ = _packed_decode(_last_dim_contiguous(query)[:, :, None], kv_cache[..., :dim], kv_cache[..., dim:], tau,
+                            distance_bias, q_pos, seq_lens, float(scaling),
+                            block_table=block_table.to(torch.int32).contiguous(), key_capacity=max_seq_len)
+    return out[:, 0]
+
 def lazy_attention_tile_stats(query, key, value, tau, distance_bias, metadata: "LazyMetadata", scaling,
                               num_splits=None):
     """Forward once with counters (benchmarks only; synchronises): key tiles pass 2 visited vs visible.
@@ -884,4 +1127,5 @@ def lazy_attention_tile_stats(query, key, value, tau, distance_bias, metadata: "
     return visited, visible, visited / max(1, visible)
 
 
-__all__ = ["LazyAttentionTritonFunction", "lazy_attention_triton", "lazy_attention_tile_stats"]
+__all__ = ["LazyAttentionTritonFunction", "lazy_attention_triton", "lazy_attention_triton_paged_decode",
+           "lazy_attention_tile_stats"]
