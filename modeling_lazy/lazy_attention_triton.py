@@ -559,8 +559,9 @@ def _decode_out_tiles(acc, V, BT, kv_base, scores, lse2, threshold, q_key_idx, l
         a = tl.maximum(tl.exp2(s - lse2[:, None]) + threshold[:, None], 0.0)  # float32 threshold test
         if CAUSAL_LIMIT:
             a = tl.where(keys[None, :] <= q_key_idx[:, None], a, 0.0)
-        live = (keys < k_len) & (tl.max(a) > 0.0)  # an all-zero tile reads no V
-        v = _load_cache(V, _cache_rows(BT, keys, k_len, kv_base, stride_vb, stride_vt, PAGE_SIZE), offs_d, live, D)
+        live_len = tl.where(tl.max(a) > 0.0, k_len, 0)  # an all-zero tile reads no V
+        v = _load_cache(V, _cache_rows(BT, keys, k_len, kv_base, stride_vb, stride_vt, PAGE_SIZE), offs_d,
+                        keys < live_len, D)
         acc = _dot(a.to(v.dtype), v, UPCAST, PRECISION, acc)
     return acc
 
