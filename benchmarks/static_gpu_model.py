@@ -406,6 +406,45 @@ def _lazy_decode_work(p: Problem, blocks, sms):
     return Work(bh, [bh * tiles] * 2, _bytes(3 * kv), (bm, bn))
 
 
+
+def _packed_decode_plan(p: Problem, blocks, sms):
+    """`(programs, splits, keys per split)` of the packed decode (its launcher, `_packed_decode`, one query row)."""
+    bm, bn = blocks
+    programs = p.batch * p.kv_heads * _cdiv(p.groups, bm)
+    splits = 1 if programs >= sms else max(1, min(_cdiv(2 * sms, programs), p.length // 256))
+    keys_per_split = _cdiv(_cdiv(p.length, splits), bn) * bn
+    return programs, _cdiv(p.length, keys_per_split), keys_per_split
+
+
+def _packed_decode_loops(p: Problem, bn: int, splits: int, keys_per_split: int, far: int) -> list:
+    """Key tiles of the two loops (below `far`, from `far` on), summed over the splits of one program row."""
+    below = sum(len(range(s * keys_per_split, min((s + 1) * keys_per_split, p.length, far), bn))
+                for s in range(splits))
+    return [below, _cdiv(p.length, bn) - below]
+
+
+def _lazy_decode_lse_work(p: Problem, blocks, sms):
+    """Packed decode pass 1: reads K once per KV head, writes the float32 scores of the G real rows per key."""
+    _, bn = blocks
+    programs, splits, keys_per_split = _packed_decode_plan(p, blocks, sms)
+    far = max(p.length - p.window, 0) // bn * bn  # keys >= W behind the row: no bias
+    loops = _packed_decode_loops(p, bn, splits, keys_per_split, far)
+    kv = p.batch * p.kv_heads * p.length * p.dim
+    scores = 4 * p.batch * p.heads * p.length
+    return Work(programs * splits, [programs * n for n in loops], _bytes(kv) + scores + 4 * 2 * splits * p.batch
+                * p.heads, blocks)
+
+
+def _lazy_decode_out_work(p: Problem, blocks, sms):
+    """Packed decode pass 2: reads the kept scores and V (all tiles live: the dense worst case), writes float32
+    partial outputs that the combine reads back."""
+    _, bn = blocks
+    programs, splits, _ = _packed_decode_plan(p, blocks, sms)
+    kv = p.batch * p.kv_heads * p.length * p.dim
+    scores = 4 * p.batch * p.heads * p.length
+    partials = 4 * 2 * splits * p.batch * p.heads * p.dim
+    return Work(programs * splits, [programs * _cdiv(p.length, bn)], _bytes(kv) + scores + partials, blocks)
+
 def _lazy_bwd_query_work(p: Problem, blocks, sms, writes_dq: bool):
     """Delta / dq kernels: one query tile per program over the causally needed key tiles."""
     bm, bn = blocks
@@ -473,6 +512,10 @@ LAZY_GENERAL = {
 LAZY_FAST = {
     **LAZY_GENERAL,
     "fwd": KernelSpec("lazy fwd (causal)", "lazy", "_lazy_causal_fwd_kernel", "causal_fwd", _lazy_causal_fwd_work),
+    "decode_lse": KernelSpec("lazy packed decode pass 1", "lazy", "_lazy_decode_lse_kernel", "packed_decode",
+                             _lazy_decode_lse_work),
+    "decode_out": KernelSpec("lazy packed decode pass 2", "lazy", "_lazy_decode_out_kernel", "packed_decode",
+                             _lazy_decode_out_work),
 }
 FA2 = {
     "fwd": KernelSpec("FA2-style fwd", "fa2", "_fa2_fwd_kernel", "fwd", _fa2_fwd_work),
@@ -483,7 +526,8 @@ FA2 = {
 # Scenario -> kernels run, for each implementation
 SCENARIOS = {
     "lazy (general)": {"forward": ["fwd"], "training": ["fwd", "delta", "dq", "dkdv"], "decode": ["decode"]},
-    "lazy (causal fast path)": {"forward": ["fwd"], "training": ["fwd", "delta", "dq", "dkdv"], "decode": ["decode"]},
+    "lazy (causal fast path)": {"forward": ["fwd"], "training": ["fwd", "delta", "dq", "dkdv"],
+                                "decode": ["decode_lse", "decode_out"]},
     "FA2-style": {"forward": ["fwd"], "training": ["fwd", "preprocess", "bwd"], "decode": ["decode"]},
 }
 IMPLEMENTATIONS = {"lazy (general)": LAZY_GENERAL, "lazy (causal fast path)": LAZY_FAST, "FA2-style": FA2}
@@ -602,7 +646,7 @@ def build_report(archs, dims, workers) -> dict:
     for (spec, arch, dim), code in codes.items():
         impl, key = specs[spec]
         block_m, block_n, warps, stages = blocks_of(spec, arch, dim)
-        work = spec.work(prefill_problem(4096, dim) if key != "decode" else decode_problem(32768, dim),
+        work = spec.work(prefill_problem(4096, dim) if not key.startswith("decode") else decode_problem(32768, dim),
                          (block_m, block_n), MACHINES[arch].sms)
         loops = []
         for index, loop in enumerate(code.loops):

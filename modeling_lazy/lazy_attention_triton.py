@@ -474,10 +474,12 @@ def _lazy_causal_fwd_kernel(Q, K, V, TAU, BAND, QPOS, OUT, LSE,
 #     (torch)                   combine the partials into each row's log-sum-exp
 #     _lazy_decode_out_kernel   reads the kept scores, not K: weights ReLU(p + tau/n), `a @ V`; a V tile whose
 #                               weights are all zero for every row of the group is not read (its load is masked off)
-# Each pass runs two loops: keys at distance >= W from every row (no bias, every key visible), then the keys from
-# there to the slice's end (band gather; the band's -inf past the causal limit). Loads carry masks but no `if`, so
-# Triton pipelines them. PAGE_SIZE > 0: key j of batch row b lives in block BLOCK_TABLE[b, j // PAGE_SIZE], slot
-# j % PAGE_SIZE, of a `[num_blocks, Hkv, PAGE_SIZE, D]` cache (stride_kb / stride_vb step over blocks).
+# Pass 1 runs two loops: keys at distance >= W from every row (no bias, every key visible), then the keys from there
+# to the slice's end (band gather; the band's -inf past the causal limit). Pass 2 runs one loop with the causal
+# `where` on every tile: without it Triton computes the weights in the `a @ V` operand layout, replicated over the
+# warps (4x the exp2). Loads carry masks but no `if`, so Triton pipelines them. PAGE_SIZE > 0: key j of batch row b
+# lives in block BLOCK_TABLE[b, j // PAGE_SIZE], slot j % PAGE_SIZE, of a `[num_blocks, Hkv, PAGE_SIZE, D]` cache
+# (stride_kb / stride_vb step over blocks).
 # ---------------------------------------------------------------------------------------------------
 
 
@@ -546,27 +548,6 @@ def _decode_lse_tiles(q, m_i, l_i, K, BT, kv_base, scores, row_mask, band, diago
 
 
 @triton.jit
-def _decode_out_tiles(acc, V, BT, kv_base, scores, lse2, threshold, q_key_idx, lo, hi, k_len, stride_vb, stride_vt,
-                      BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, D: tl.constexpr, PAGE_SIZE: tl.constexpr,
-                      CAUSAL_LIMIT: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
-    """Decode pass 2 over key tiles [lo, hi): `acc += ReLU(p + tau/n) @ V` from the kept scores; `CAUSAL_LIMIT`
-    tiles zero the keys after a row (with tau > 0 they would otherwise get tau/n)."""
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
-    for start_n in range(lo, hi, BLOCK_N):
-        keys = start_n + offs_n
-        s = tl.load(scores + keys[None, :], mask=(keys < hi)[None, :], other=float("-inf"))
-        a = tl.maximum(tl.exp2(s - lse2[:, None]) + threshold[:, None], 0.0)  # float32 threshold test
-        if CAUSAL_LIMIT:
-            a = tl.where(keys[None, :] <= q_key_idx[:, None], a, 0.0)
-        live_len = tl.where(tl.max(a) > 0.0, k_len, 0)  # an all-zero tile reads no V
-        v = _load_cache(V, _cache_rows(BT, keys, k_len, kv_base, stride_vb, stride_vt, PAGE_SIZE), offs_d,
-                        keys < live_len, D)
-        acc = _dot(a.to(v.dtype), v, UPCAST, PRECISION, acc)
-    return acc
-
-
-@triton.jit
 def _lazy_decode_lse_kernel(Q, K, BAND, KLEN, BLOCK_TABLE, SCORES, M_PART, L_PART,
                             stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt, stride_tb,
                             Hq, Hkv, Tq, W, GROUPS, KEYS_PER_SPLIT, KEY_CAPACITY, BAND_LEN, scale_log2,
@@ -606,16 +587,21 @@ def _lazy_decode_out_kernel(V, TAU, QPOS, KLEN, BLOCK_TABLE, SCORES, LSE2, O_PAR
     LSE2 [B, Hq, Tq]: row log-sum-exp in log2 units, DEAD_ROW_LSE for a row without a normaliser."""
     split, b, h, t, row_id, row_mask, k_len, q_key_idx, lo, hi, kv_base, BT = _decode_rows(
         KLEN, BLOCK_TABLE, stride_vb, stride_vh, stride_tb, Hkv, Tq, GROUPS, KEYS_PER_SPLIT, BLOCK_M, PAGE_SIZE)
-    far = tl.maximum(k_len - Tq + 1, 0) // BLOCK_N * BLOCK_N  # keys below it are visible to every row
     scores = (SCORES + row_id * KEY_CAPACITY)[:, None]
     lse2 = tl.load(LSE2 + row_id)
     threshold = _row_threshold(tl.load(TAU + h), tl.load(QPOS + b * Tq + t), lse2)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    acc = _decode_out_tiles(acc, V, BT, kv_base, scores, lse2, threshold, q_key_idx, lo, tl.minimum(hi, far), k_len,
-                            stride_vb, stride_vt, BLOCK_N, BLOCK_D, D, PAGE_SIZE, False, UPCAST, PRECISION)
-    acc = _decode_out_tiles(acc, V, BT, kv_base, scores, lse2, threshold, q_key_idx, tl.maximum(lo, far), hi, k_len,
-                            stride_vb, stride_vt, BLOCK_N, BLOCK_D, D, PAGE_SIZE, True, UPCAST, PRECISION)
+    offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for start_n in range(lo, hi, BLOCK_N):
+        keys = start_n + offs_n
+        s = tl.load(scores + keys[None, :], mask=(keys < hi)[None, :], other=float("-inf"))
+        a = tl.maximum(tl.exp2(s - lse2[:, None]) + threshold[:, None], 0.0)  # float32 threshold test
+        a = tl.where(keys[None, :] <= q_key_idx[:, None], a, 0.0)  # keys after the row (tau > 0 would give tau/n)
+        live_len = tl.where(tl.max(a) > 0.0, k_len, 0)  # an all-zero tile reads no V
+        v = _load_cache(V, _cache_rows(BT, keys, k_len, kv_base, stride_vb, stride_vt, PAGE_SIZE), offs_d,
+                        keys < live_len, D)
+        acc = _dot(a.to(v.dtype), v, UPCAST, PRECISION, acc)
     out = O_PART + (((split * (tl.num_programs(1) // Hkv) + b).to(tl.int64) * Tq + t[:, None]) * Hq + h[:, None]) * D
     tl.store(out + offs_d[None, :], acc, mask=row_mask[:, None] & (offs_d[None, :] < D))
 
