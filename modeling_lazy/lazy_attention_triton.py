@@ -1096,8 +1096,9 @@ def lazy_attention_triton_paged_decode(query, kv_cache, block_table, seq_lens, t
         `[R, Hq, D]` in the query dtype.
     """
     dim = query.shape[-1]
-    if kv_cache.shape[-1] != 2 * dim:
-        raise ValueError(f"kv_cache's last dim must hold K and V of head_dim {dim} ({2 * dim}), got {kv_cache.shape}")
+    if kv_cache.shape[-1] != 2 * dim or kv_cache.stride(-1) != 1:
+        raise ValueError(f"kv_cache's last dim must hold K and V of head_dim {dim} ({2 * dim} contiguous channels), "
+                         f"got shape {tuple(kv_cache.shape)}, strides {kv_cache.stride()}")
     seq_lens = seq_lens.to(device=query.device, dtype=torch.int32).contiguous()
     q_pos = (seq_lens - 1)[:, None].contiguous()
     out, _ = _packed_decode(_last_dim_contiguous(query)[:, :, None], kv_cache[..., :dim], kv_cache[..., dim:], tau,
