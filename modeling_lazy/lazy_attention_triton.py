@@ -83,6 +83,12 @@ _CONFIGS = {
         ("dq", 128): (64, 64, 8, 2),
         ("dkdv", 64): (128, 32, 8, 2),
         ("dkdv", 128): (128, 32, 8, 2),
+        ("causal_delta", 64): (128, 64, 8, 2),
+        ("causal_delta", 128): (128, 64, 8, 2),
+        ("causal_dq", 64): (128, 64, 8, 2),
+        ("causal_dq", 128): (128, 32, 8, 2),
+        ("causal_dkdv", 64): (128, 32, 8, 2),
+        ("causal_dkdv", 128): (128, 32, 8, 2),
     },
     "sm80": {
         ("fwd", 64): (64, 64, 8, 2),
@@ -97,6 +103,12 @@ _CONFIGS = {
         ("dq", 128): (64, 32, 8, 2),
         ("dkdv", 64): (64, 32, 8, 2),
         ("dkdv", 128): (32, 64, 8, 2),
+        ("causal_delta", 64): (64, 64, 4, 2),
+        ("causal_delta", 128): (64, 64, 8, 2),
+        ("causal_dq", 64): (64, 64, 4, 2),
+        ("causal_dq", 128): (64, 32, 8, 2),
+        ("causal_dkdv", 64): (64, 32, 8, 2),
+        ("causal_dkdv", 128): (64, 32, 8, 2),
     },
 }
 
@@ -631,6 +643,235 @@ def _lazy_bwd_dkdv_kernel(Q, K, V, TAU, BIAS, QPOS, KPOS, QSEG, KSEG, LSE, DELTA
 
 
 # ---------------------------------------------------------------------------------------------------
+# Causal fast path, backward (the forward took `_lazy_causal_fwd_kernel`). Same key ranges, band and exp2 as the
+# forward: p = exp2(s - LSE_i log2(e)) with the stored natural-unit LSE, loop bounds instead of visibility tests,
+# no per-key metadata, unconditional (pipelined) loads. Dense: no tile skipping.
+#     _lazy_causal_bwd_delta_kernel   Delta_i = sum_j m p dP and the d tau partials, per query tile
+#     _lazy_causal_bwd_dq_kernel      dq per query tile
+#     _lazy_causal_bwd_dkdv_kernel    dk, dv per key tile (GQA: the query heads of one KV head), query tiles in
+#                                     three ranges: at the causal limit, inside the bias window, beyond it
+# d distance_bias: a (query tile, key tile) pair holds the distances base + (r - c), r < BM, c < BN (base =
+# m0 + offset - n0). `_diagonal_sums` shears the dS tile (row r + c mod BM of column c) so that each row of the
+# result holds one diagonal, or (wrapped entries) the diagonal BM below it; the wrapped sums of query tile m0 + BM
+# land on the same distances as the unwrapped ones of m0, so the dk/dv kernel carries them in registers from one
+# query tile to the next and stores every distance of its private row once: no atomics. Tiles beyond the window
+# have no bias and no bias gradient.
+# ---------------------------------------------------------------------------------------------------
+
+_LOG2E = tl.constexpr(LOG2E)
+
+
+@triton.jit
+def _causal_bwd_tile(q, do, k, v, band, start_n, diagonal, keys, q_key_idx, lse2, threshold, scale_log2,
+                     BIAS: tl.constexpr, DIAGONAL: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    """`(p, m dP, m)` `[BM, BN]` of one (query tile, key tile) pair; `DIAGONAL` tiles clear m on later keys (their
+    p is already 0 from the band's -inf, but with tau > 0, p + tau/n > 0)."""
+    s = _causal_scores(q, k, band, start_n, diagonal, scale_log2, BIAS, False, UPCAST, PRECISION)
+    p = tl.exp2(s - lse2[:, None])
+    alive = p + threshold[:, None] > 0.0  # float32 threshold test
+    if DIAGONAL:
+        alive = alive & (keys[None, :] <= q_key_idx[:, None])
+    return p, tl.where(alive, _dot(do, tl.trans(v), UPCAST, PRECISION), 0.0), alive
+
+
+@triton.jit
+def _causal_bwd_query_tiles(q, do, lse2, threshold, delta, m_dp_sum, acc, K, V, stride_kt, stride_vt, band, diagonal,
+                            q_key_idx, lo, hi, Tk, scale_log2, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                            D: tl.constexpr, BIAS: tl.constexpr, DIAGONAL: tl.constexpr, DQ: tl.constexpr,
+                            UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    """Key tiles [lo, hi) of one query tile: `DQ` adds dS @ K to acc (delta given), otherwise the row sums
+    delta += sum_j m p dP and m_dp_sum += sum_j m dP."""
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    for start_n in range(lo, hi, BLOCK_N):
+        keys = start_n + offs_n
+        k = _load_keys(K, stride_kt, keys, offs_d, Tk, D, BLOCK_D, DIAGONAL)
+        v = _load_keys(V, stride_vt, keys, offs_d, Tk, D, BLOCK_D, DIAGONAL)
+        p, dp, _ = _causal_bwd_tile(q, do, k, v, band, start_n, diagonal, keys, q_key_idx, lse2, threshold,
+                                    scale_log2, BIAS, DIAGONAL, UPCAST, PRECISION)
+        if DQ:
+            acc = _dot((p * (dp - delta[:, None])).to(k.dtype), k, UPCAST, PRECISION, acc)
+        else:
+            delta += tl.sum(p * dp, 1)
+            m_dp_sum += tl.sum(dp, 1)
+    return delta, m_dp_sum, acc
+
+
+@triton.jit
+def _causal_bwd_query(Q, K, V, TAU, BAND, QPOS, QSEG, LSE, DO, DELTA,
+                      stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt,
+                      stride_vb, stride_vh, stride_vt, stride_dob, stride_doh, stride_dot,
+                      Hq, Tq, Tk, W, GROUPS, BAND_LEN, scale_log2,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, D: tl.constexpr,
+                      DQ: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    """Body of the Delta (`DQ` False) and dq kernels: one query tile of one query head over its key tiles in the
+    forward's three ranges. Returns the tile's prologue values and `(delta, m_dp_sum, acc)`."""
+    pid_m, pid_bh, b, h, hk, rows, offs_d, row_mask, q, do, q_pos, _, lse, inv_n, threshold, _ = _bwd_query_tile(
+        Q, DO, TAU, QPOS, QSEG, LSE, stride_qb, stride_qh, stride_qt, stride_dob, stride_doh, stride_dot,
+        Hq, Tq, Tk, GROUPS, BLOCK_M, BLOCK_D, D)
+    m0 = pid_m * BLOCK_M
+    far, full, hi = _causal_key_ranges(m0, Tq, Tk, W, BLOCK_M, BLOCK_N)
+    K_ = K + b * stride_kb + hk * stride_kh
+    V_ = V + b * stride_vb + hk * stride_vh
+    band = BAND + h * BAND_LEN + (BLOCK_M + BLOCK_N) + m0 + Tk - Tq  # band of distance m0 + offset - start_n
+    diagonal = tl.arange(0, BLOCK_M)[:, None] - tl.arange(0, BLOCK_N)[None, :]
+    q_key_idx = rows + Tk - Tq
+    lse2 = lse * _LOG2E  # a dead row's DEAD_ROW_LSE becomes +inf: p = 0 (and its threshold is -1e30)
+    if DQ:
+        delta = tl.load(DELTA + pid_bh.to(tl.int64) * Tq + rows, mask=row_mask, other=0.0)
+    else:
+        delta = tl.zeros([BLOCK_M], tl.float32)
+    m_dp_sum = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    delta, m_dp_sum, acc = _causal_bwd_query_tiles(q, do, lse2, threshold, delta, m_dp_sum, acc, K_, V_, stride_kt,
+                                                   stride_vt, band, diagonal, q_key_idx, 0, far, Tk, scale_log2,
+                                                   BLOCK_N, BLOCK_D, D, False, False, DQ, UPCAST, PRECISION)
+    delta, m_dp_sum, acc = _causal_bwd_query_tiles(q, do, lse2, threshold, delta, m_dp_sum, acc, K_, V_, stride_kt,
+                                                   stride_vt, band, diagonal, q_key_idx, far, full, Tk, scale_log2,
+                                                   BLOCK_N, BLOCK_D, D, True, False, DQ, UPCAST, PRECISION)
+    delta, m_dp_sum, acc = _causal_bwd_query_tiles(q, do, lse2, threshold, delta, m_dp_sum, acc, K_, V_, stride_kt,
+                                                   stride_vt, band, diagonal, q_key_idx, full, hi, Tk, scale_log2,
+                                                   BLOCK_N, BLOCK_D, D, True, True, DQ, UPCAST, PRECISION)
+    return pid_m, pid_bh, b, h, rows, offs_d, row_mask, inv_n, delta, m_dp_sum, acc
+
+
+@triton.jit
+def _lazy_causal_bwd_delta_kernel(Q, K, V, TAU, BAND, QPOS, QSEG, LSE, DO, DELTA, DTAU_PART,
+                                  stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt,
+                                  stride_vb, stride_vh, stride_vt, stride_dob, stride_doh, stride_dot,
+                                  Hq, Tq, Tk, W, GROUPS, BAND_LEN, scale_log2,
+                                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                                  D: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    """Causal fast path of `_lazy_bwd_delta_kernel`: Delta_i and the tile's d tau partial. Grid (cdiv(Tq, BM), B*Hq)."""
+    pid_m, pid_bh, _, _, rows, _, row_mask, inv_n, delta, m_dp_sum, _ = _causal_bwd_query(
+        Q, K, V, TAU, BAND, QPOS, QSEG, LSE, DO, DELTA, stride_qb, stride_qh, stride_qt, stride_kb, stride_kh,
+        stride_kt, stride_vb, stride_vh, stride_vt, stride_dob, stride_doh, stride_dot, Hq, Tq, Tk, W, GROUPS,
+        BAND_LEN, scale_log2, BLOCK_M, BLOCK_N, BLOCK_D, D, False, UPCAST, PRECISION)
+    tl.store(DELTA + pid_bh.to(tl.int64) * Tq + rows, delta, mask=row_mask)
+    tl.store(DTAU_PART + pid_bh.to(tl.int64) * tl.num_programs(0) + pid_m,
+             tl.sum(tl.where(row_mask, m_dp_sum * inv_n, 0.0), 0))
+
+
+@triton.jit
+def _lazy_causal_bwd_dq_kernel(Q, K, V, TAU, BAND, QPOS, QSEG, LSE, DO, DELTA, DQ,
+                               stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt,
+                               stride_vb, stride_vh, stride_vt, stride_dob, stride_doh, stride_dot,
+                               Hq, Tq, Tk, W, GROUPS, BAND_LEN, scale_log2, scaling,
+                               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                               D: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    """Causal fast path of `_lazy_bwd_dq_kernel`: dq_i = scaling sum_j dS_ij k_j. Grid (cdiv(Tq, BM), B * Hq)."""
+    _, _, b, h, rows, offs_d, row_mask, _, _, _, acc = _causal_bwd_query(
+        Q, K, V, TAU, BAND, QPOS, QSEG, LSE, DO, DELTA, stride_qb, stride_qh, stride_qt, stride_kb, stride_kh,
+        stride_kt, stride_vb, stride_vh, stride_vt, stride_dob, stride_doh, stride_dot, Hq, Tq, Tk, W, GROUPS,
+        BAND_LEN, scale_log2, BLOCK_M, BLOCK_N, BLOCK_D, D, True, UPCAST, PRECISION)
+    tl.store(DQ + b * stride_qb + h * stride_qh + rows[:, None] * stride_qt + offs_d[None, :],
+             (acc * scaling).to(DQ.dtype.element_ty), mask=row_mask[:, None] & (offs_d[None, :] < D))
+
+
+@triton.jit
+def _diagonal_sums(ds, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """`(near, wrapped)` `[BM]` float32 sums of a `[BM, BN]` tile (BN <= BM) along its diagonals: near[r] of the
+    entries with row - column = r, wrapped[r] of those with row - column = r - BM."""
+    r = tl.arange(0, BLOCK_M)[:, None]
+    c = tl.arange(0, BLOCK_N)[None, :]
+    sheared = tl.gather(ds, (r + c) % BLOCK_M, 0)  # sheared[r, c] = ds[(r + c) mod BM, c]
+    wrap = r + c >= BLOCK_M
+    return tl.sum(tl.where(wrap, 0.0, sheared), 1), tl.sum(tl.where(wrap, sheared, 0.0), 1)
+
+
+@triton.jit
+def _causal_dkdv_tiles(dk, dv, carry, carry_d, k, v, Q, DO, QPOS, LSE, DELTA, dbias_row, band, tau_h, n0, lo, hi,
+                       Tq, W, offset, stride_qt, stride_dot, scale_log2,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, D: tl.constexpr,
+                       BIAS: tl.constexpr, DIAGONAL: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    """Query tiles [lo, hi) (step BM) of one key tile and one query head: dk += dS^T Q, dv += a^T dO; with `BIAS`,
+    the diagonal sums of dS into the private bias row (`carry` holds the sums at distances `carry_d` until the
+    next query tile's wrapped sums are added)."""
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    keys = n0 + tl.arange(0, BLOCK_N)
+    diagonal = offs_m[:, None] - tl.arange(0, BLOCK_N)[None, :]
+    for start_m in range(lo, hi, BLOCK_M):
+        rows = start_m + offs_m
+        row_mask = rows < Tq
+        q = _load_rows(Q, stride_qt, rows, offs_d, Tq, D)
+        do = _load_rows(DO, stride_dot, rows, offs_d, Tq, D)
+        lse = tl.load(LSE + rows, mask=row_mask, other=_DEAD_ROW_LSE)
+        delta = tl.load(DELTA + rows, mask=row_mask, other=0.0)
+        threshold = _row_threshold(tau_h, tl.load(QPOS + rows, mask=row_mask, other=0), lse)
+        p, dp, alive = _causal_bwd_tile(q, do, k, v, band + start_m, n0, diagonal, keys, rows + offset,
+                                        lse * _LOG2E, threshold, scale_log2, BIAS, DIAGONAL, UPCAST, PRECISION)
+        ds = p * (dp - delta[:, None])
+        a = tl.where(alive, p + threshold[:, None], 0.0)
+        dv = _dot(tl.trans(a.to(do.dtype)), do, UPCAST, PRECISION, dv)
+        dk = _dot(tl.trans(ds.to(q.dtype)), q, UPCAST, PRECISION, dk)
+        if BIAS:
+            near, wrapped = _diagonal_sums(ds, BLOCK_M, BLOCK_N)
+            tl.store(dbias_row + carry_d, carry + wrapped, mask=(carry_d >= 0) & (carry_d < W))
+            carry = near
+            carry_d = start_m + offset - n0 + offs_m
+    return dk, dv, carry, carry_d
+
+
+@triton.jit
+def _lazy_causal_bwd_dkdv_kernel(Q, K, V, TAU, BAND, QPOS, LSE, DELTA, DO, DK, DV, DBIAS_PART,
+                                 stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt,
+                                 stride_vb, stride_vh, stride_vt, stride_dob, stride_doh, stride_dot,
+                                 Hq, Hkv, Tq, Tk, W, GROUPS, BAND_LEN, scale_log2, scaling,
+                                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                                 D: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    """Causal fast path of `_lazy_bwd_dkdv_kernel`: dk, dv of one key tile of one KV head, and the d distance_bias
+    partials of its query heads in private rows of DBIAS_PART [B * Hq * cdiv(Tk, BN), W] (each distance stored
+    once, no atomics). Grid: (cdiv(Tk, BN), B * Hkv)."""
+    tl.static_assert(BLOCK_N <= BLOCK_M)  # `_diagonal_sums` wraps each column at most once
+    pid_n = tl.program_id(0)
+    pid_bkv = tl.program_id(1)
+    b = (pid_bkv // Hkv).to(tl.int64)
+    hk = (pid_bkv % Hkv).to(tl.int64)
+    n0 = pid_n * BLOCK_N
+    offs_d = tl.arange(0, BLOCK_D)
+    keys = n0 + tl.arange(0, BLOCK_N)
+    k = _load_rows(K + b * stride_kb + hk * stride_kh, stride_kt, keys, offs_d, Tk, D)
+    v = _load_rows(V + b * stride_vb + hk * stride_vh, stride_vt, keys, offs_d, Tk, D)
+    offset = Tk - Tq
+    # query tiles: [start, near) cross the causal limit, [near, far) see the whole key tile inside the bias window,
+    # [far, Tq) see it entirely at distances >= W (min distance m0 + offset - (n0 + BN - 1))
+    start = tl.maximum(n0 - offset, 0) // BLOCK_M * BLOCK_M
+    near = tl.maximum(start, tl.cdiv(tl.maximum(n0 + BLOCK_N - 1 - offset, 0), BLOCK_M) * BLOCK_M)
+    far = tl.maximum(near, tl.cdiv(tl.maximum(n0 + BLOCK_N - 1 + W - offset, 0), BLOCK_M) * BLOCK_M)
+    dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    for g in range(0, GROUPS):
+        h = hk * GROUPS + g
+        bh = b * Hq + h
+        Q_ = Q + b * stride_qb + h * stride_qh
+        DO_ = DO + b * stride_dob + h * stride_doh
+        tau_h = tl.load(TAU + h)
+        band = BAND + h * BAND_LEN + (BLOCK_M + BLOCK_N) + offset  # + m0: band of distance m0 + offset - n0
+        dbias_row = DBIAS_PART + (bh * tl.num_programs(0) + pid_n) * W
+        carry = tl.zeros([BLOCK_M], tl.float32)
+        carry_d = start + offset - n0 - BLOCK_M + tl.arange(0, BLOCK_M)  # all < 0: nothing stored
+        dk, dv, carry, carry_d = _causal_dkdv_tiles(
+            dk, dv, carry, carry_d, k, v, Q_, DO_, QPOS + b * Tq, LSE + bh * Tq, DELTA + bh * Tq, dbias_row, band,
+            tau_h, n0, start, tl.minimum(near, Tq), Tq, W, offset, stride_qt, stride_dot, scale_log2,
+            BLOCK_M, BLOCK_N, BLOCK_D, D, True, True, UPCAST, PRECISION)
+        dk, dv, carry, carry_d = _causal_dkdv_tiles(
+            dk, dv, carry, carry_d, k, v, Q_, DO_, QPOS + b * Tq, LSE + bh * Tq, DELTA + bh * Tq, dbias_row, band,
+            tau_h, n0, near, tl.minimum(far, Tq), Tq, W, offset, stride_qt, stride_dot, scale_log2,
+            BLOCK_M, BLOCK_N, BLOCK_D, D, True, False, UPCAST, PRECISION)
+        tl.store(dbias_row + carry_d, carry, mask=(carry_d >= 0) & (carry_d < W))
+        dk, dv, carry, carry_d = _causal_dkdv_tiles(
+            dk, dv, carry, carry_d, k, v, Q_, DO_, QPOS + b * Tq, LSE + bh * Tq, DELTA + bh * Tq, dbias_row, band,
+            tau_h, n0, far, Tq, Tq, W, offset, stride_qt, stride_dot, scale_log2,
+            BLOCK_M, BLOCK_N, BLOCK_D, D, False, False, UPCAST, PRECISION)
+    kv_mask = (keys[:, None] < Tk) & (offs_d[None, :] < D)
+    tl.store(DK + b * stride_kb + hk * stride_kh + keys[:, None] * stride_kt + offs_d[None, :],
+             (dk * scaling).to(DK.dtype.element_ty), mask=kv_mask)
+    tl.store(DV + b * stride_vb + hk * stride_vh + keys[:, None] * stride_vt + offs_d[None, :],
+             dv.to(DV.dtype.element_ty), mask=kv_mask)
+
+
+# ---------------------------------------------------------------------------------------------------
 # Launchers
 # ---------------------------------------------------------------------------------------------------
 
@@ -777,15 +1018,19 @@ def _causal_forward(query, key, value, tau, distance_bias, q_pos, scaling, block
 
 
 def _backward(grad_out, query, key, value, tau, distance_bias, q_pos, k_pos, q_seg, k_seg, lse, scaling,
-              skip=True):
+              skip=True, causal=False):
     """Launch Delta (with d tau partials), dq, then dk/dv (with d distance_bias partials); no atomics across programs.
 
-    Returns `(dq, dk, dv, d_tau [Hq] float32, d_bias [Hq, W] float32)`."""
+    `causal` (the metadata's plain causal layout) runs the causal fast path for query lengths > 16, as the forward
+    does (`skip` is ignored there). Returns `(dq, dk, dv, d_tau [Hq] float32, d_bias [Hq, W] float32)`."""
     block_d = _check_inputs(query, key)
     bsz, num_heads, q_len, dim = query.shape
     kv_heads, k_len, window = key.shape[1], key.shape[2], distance_bias.shape[-1]
     (query, dq), (key, dk), (value, dv) = (_with_gradient_buffer(x) for x in (query, key, value))
     grad_out = _last_dim_contiguous(grad_out)
+    if causal and q_len > DECODE_MAX_QUERIES:
+        return _causal_backward(grad_out, query, key, value, dq, dk, dv, tau, distance_bias, q_pos, q_seg, lse,
+                                scaling, block_d)
     groups = num_heads // kv_heads
     tau32 = tau.detach().to(torch.float32).contiguous()
     bias32 = distance_bias.detach().to(torch.float32).contiguous()
@@ -814,6 +1059,39 @@ def _backward(grad_out, query, key, value, tau, distance_bias, q_pos, k_pos, q_s
         **inputs, DELTA=delta, DO=grad_out, DK=dk, DV=dv, DBIAS_PART=dbias_part, **strides,
         Hq=num_heads, Hkv=kv_heads, **sizes, scaling=scaling,
         BLOCK_M=kv_m, BLOCK_N=kv_n, num_warps=kv_warps, num_stages=kv_stages, **common)
+    return dq, dk, dv, dtau_part.sum(dim=(0, 2)), dbias_part.sum(dim=(0, 2))
+
+
+def _causal_backward(grad_out, query, key, value, dq, dk, dv, tau, distance_bias, q_pos, q_seg, lse, scaling,
+                     block_d):
+    """The causal fast-path backward (after `_causal_forward`): Delta, dq, dk/dv; `_backward`'s results."""
+    bsz, num_heads, q_len, dim = query.shape
+    kv_heads, k_len, window = key.shape[1], key.shape[2], distance_bias.shape[-1]
+    family = _gpu_family(query.device)
+    tau32 = tau.detach().to(torch.float32).contiguous()
+    common = dict(Q=query, K=key, V=value, TAU=tau32, QPOS=q_pos, LSE=lse, DO=grad_out,
+                  **_strides("q", query), **_strides("k", key), **_strides("v", value),
+                  **_strides("do", grad_out, h=2, t=1), Hq=num_heads, Tq=q_len, Tk=k_len, W=window,
+                  GROUPS=num_heads // kv_heads, scale_log2=scaling * LOG2E, BLOCK_D=block_d, D=dim, UPCAST=_INTERPRET,
+                  PRECISION=_DOT_PRECISION[query.dtype])
+
+    def launch(kernel, kind, programs, **arguments):  # programs(BM, BN) -> grid; each kernel its own band
+        block_m, block_n, num_warps, num_stages = _config(kind, block_d, family)
+        band = _bias_band(distance_bias, scaling, block_m, block_n)
+        kernel[programs(block_m, block_n)](**common, **arguments, BAND=band, BAND_LEN=band.shape[-1],
+                                           BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
+                                           num_stages=num_stages)
+
+    query_tiles = lambda block_m, block_n: (triton.cdiv(q_len, block_m), bsz * num_heads)  # noqa: E731
+    delta = torch.empty(bsz, num_heads, q_len, dtype=torch.float32, device=query.device)
+    dtau_part = torch.empty(bsz, num_heads, triton.cdiv(q_len, _config("causal_delta", block_d, family)[0]),
+                            dtype=torch.float32, device=query.device)
+    launch(_lazy_causal_bwd_delta_kernel, "causal_delta", query_tiles, QSEG=q_seg, DELTA=delta, DTAU_PART=dtau_part)
+    launch(_lazy_causal_bwd_dq_kernel, "causal_dq", query_tiles, QSEG=q_seg, DELTA=delta, DQ=dq, scaling=scaling)
+    k_tiles = triton.cdiv(k_len, _config("causal_dkdv", block_d, family)[1])
+    dbias_part = torch.zeros(bsz, num_heads, k_tiles, window, dtype=torch.float32, device=query.device)
+    launch(_lazy_causal_bwd_dkdv_kernel, "causal_dkdv", lambda block_m, block_n: (k_tiles, bsz * kv_heads),
+           DELTA=delta, DK=dk, DV=dv, DBIAS_PART=dbias_part, Hkv=kv_heads, scaling=scaling)
     return dq, dk, dv, dtau_part.sum(dim=(0, 2)), dbias_part.sum(dim=(0, 2))
 
 
@@ -849,7 +1127,7 @@ class LazyAttentionTritonFunction(torch.autograd.Function):
         query, key, value, tau, distance_bias, lse = ctx.saved_tensors
         key_used, value_used, positions = _kernel_inputs(key, value, ctx.lazy_metadata)
         dq, dk, dv, d_tau, d_bias = _backward(grad_out, query, key_used, value_used, tau, distance_bias, *positions,
-                                              lse, ctx.scaling)
+                                              lse, ctx.scaling, causal=ctx.lazy_metadata.causal)
         if key_used.shape[2] != key.shape[2]:  # gradients of the unused (unwritten) cache slots are 0
             dk = torch.cat([dk, dk.new_zeros(*dk.shape[:2], key.shape[2] - dk.shape[2], dk.shape[3])], dim=2)
             dv = torch.cat([dv, dv.new_zeros(*dv.shape[:2], value.shape[2] - dv.shape[2], dv.shape[3])], dim=2)
