@@ -87,8 +87,8 @@ _CONFIGS = {
         ("causal_delta", 128): (128, 64, 8, 2),
         ("causal_dq", 64): (128, 64, 8, 2),
         ("causal_dq", 128): (128, 32, 8, 2),
-        ("causal_dkdv", 64): (128, 32, 8, 2),
-        ("causal_dkdv", 128): (128, 32, 8, 2),
+        ("causal_dkdv", 64): (64, 64, 4, 2),
+        ("causal_dkdv", 128): (64, 64, 4, 2),
     },
     "sm80": {
         ("fwd", 64): (64, 64, 8, 2),
@@ -107,8 +107,8 @@ _CONFIGS = {
         ("causal_delta", 128): (64, 64, 8, 2),
         ("causal_dq", 64): (64, 64, 4, 2),
         ("causal_dq", 128): (64, 32, 8, 2),
-        ("causal_dkdv", 64): (64, 32, 8, 2),
-        ("causal_dkdv", 128): (64, 32, 8, 2),
+        ("causal_dkdv", 64): (64, 64, 4, 2),
+        ("causal_dkdv", 128): (64, 64, 4, 2),
     },
 }
 
@@ -662,16 +662,18 @@ _LOG2E = tl.constexpr(LOG2E)
 
 
 @triton.jit
-def _causal_bwd_tile(q, do, k, v, band, start_n, diagonal, keys, q_key_idx, lse2, threshold, scale_log2,
+def _causal_bwd_tile(x, dx, y, dy, band, start, diagonal, visible, lse2, threshold, scale_log2,
                      BIAS: tl.constexpr, DIAGONAL: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
-    """`(p, m dP, m)` `[BM, BN]` of one (query tile, key tile) pair; `DIAGONAL` tiles clear m on later keys (their
-    p is already 0 from the band's -inf, but with tau > 0, p + tau/n > 0)."""
-    s = _causal_scores(q, k, band, start_n, diagonal, scale_log2, BIAS, False, UPCAST, PRECISION)
-    p = tl.exp2(s - lse2[:, None])
-    alive = p + threshold[:, None] > 0.0  # float32 threshold test
+    """`(p, m dP, m)` of one (query tile, key tile) pair, as `x y^T` products: `[BM, BN]` from (q, dO, k, v) with
+    `lse2`, `threshold` as `[BM, 1]`, or transposed, `[BN, BM]` from (k, v, q, dO) with them as `[1, BM]`.
+    `DIAGONAL` tiles clear m where not `visible` (p is already 0 there from the band's -inf, but with tau > 0
+    p + tau/n > 0)."""
+    s = _causal_scores(x, y, band, start, diagonal, scale_log2, BIAS, False, UPCAST, PRECISION)
+    p = tl.exp2(s - lse2)
+    alive = p + threshold > 0.0  # float32 threshold test
     if DIAGONAL:
-        alive = alive & (keys[None, :] <= q_key_idx[:, None])
-    return p, tl.where(alive, _dot(do, tl.trans(v), UPCAST, PRECISION), 0.0), alive
+        alive = alive & visible
+    return p, tl.where(alive, _dot(dx, tl.trans(dy), UPCAST, PRECISION), 0.0), alive
 
 
 @triton.jit
@@ -687,8 +689,8 @@ def _causal_bwd_query_tiles(q, do, lse2, threshold, delta, m_dp_sum, acc, K, V, 
         keys = start_n + offs_n
         k = _load_keys(K, stride_kt, keys, offs_d, Tk, D, BLOCK_D, DIAGONAL)
         v = _load_keys(V, stride_vt, keys, offs_d, Tk, D, BLOCK_D, DIAGONAL)
-        p, dp, _ = _causal_bwd_tile(q, do, k, v, band, start_n, diagonal, keys, q_key_idx, lse2, threshold,
-                                    scale_log2, BIAS, DIAGONAL, UPCAST, PRECISION)
+        p, dp, _ = _causal_bwd_tile(q, do, k, v, band, start_n, diagonal, keys[None, :] <= q_key_idx[:, None],
+                                    lse2[:, None], threshold[:, None], scale_log2, BIAS, DIAGONAL, UPCAST, PRECISION)
         if DQ:
             acc = _dot((p * (dp - delta[:, None])).to(k.dtype), k, UPCAST, PRECISION, acc)
         else:
@@ -769,13 +771,13 @@ def _lazy_causal_bwd_dq_kernel(Q, K, V, TAU, BAND, QPOS, QSEG, LSE, DO, DELTA, D
 
 
 @triton.jit
-def _diagonal_sums(ds, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """`(near, wrapped)` `[BM]` float32 sums of a `[BM, BN]` tile (BN <= BM) along its diagonals: near[r] of the
-    entries with row - column = r, wrapped[r] of those with row - column = r - BM."""
-    r = tl.arange(0, BLOCK_M)[:, None]
-    c = tl.arange(0, BLOCK_N)[None, :]
-    sheared = tl.gather(ds, (r + c) % BLOCK_M, 0)  # sheared[r, c] = ds[(r + c) mod BM, c]
-    wrap = r + c >= BLOCK_M
+def _diagonal_sums(t, BLOCK: tl.constexpr):
+    """`(near, wrapped)` `[B]` float32 sums of a square `[B, B]` tile along its diagonals: near[a] of the entries
+    with row - column = a, wrapped[a] of those with row - column = a - B."""
+    r = tl.arange(0, BLOCK)[:, None]
+    c = tl.arange(0, BLOCK)[None, :]
+    sheared = tl.gather(t, (r + c) % BLOCK, 0)  # sheared[r, c] = t[(r + c) mod B, c]
+    wrap = r + c >= BLOCK
     return tl.sum(tl.where(wrap, 0.0, sheared), 1), tl.sum(tl.where(wrap, sheared, 0.0), 1)
 
 
@@ -784,13 +786,14 @@ def _causal_dkdv_tiles(dk, dv, carry, carry_d, k, v, Q, DO, QPOS, LSE, DELTA, db
                        Tq, W, offset, stride_qt, stride_dot, scale_log2,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, D: tl.constexpr,
                        BIAS: tl.constexpr, DIAGONAL: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
-    """Query tiles [lo, hi) (step BM) of one key tile and one query head: dk += dS^T Q, dv += a^T dO; with `BIAS`,
-    the diagonal sums of dS into the private bias row (`carry` holds the sums at distances `carry_d` until the
-    next query tile's wrapped sums are added)."""
+    """Query tiles [lo, hi) (step BM) of one key tile and one query head, on transposed `[BN, BM]` tiles:
+    dk += dS^T Q, dv += a^T dO; with `BIAS`, the diagonal sums of dS^T go to the private bias row at distances
+    base - a (base = m0 + offset - n0) and `carry` keeps the wrapped ones, at distances `carry_d` = base + BM - a,
+    the next query tile's unwrapped distances."""
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     keys = n0 + tl.arange(0, BLOCK_N)
-    diagonal = offs_m[:, None] - tl.arange(0, BLOCK_N)[None, :]
+    diagonal = offs_m[None, :] - tl.arange(0, BLOCK_N)[:, None]  # [BN, BM] row (query) - column (key)
     for start_m in range(lo, hi, BLOCK_M):
         rows = start_m + offs_m
         row_mask = rows < Tq
@@ -798,18 +801,19 @@ def _causal_dkdv_tiles(dk, dv, carry, carry_d, k, v, Q, DO, QPOS, LSE, DELTA, db
         do = _load_rows(DO, stride_dot, rows, offs_d, Tq, D)
         lse = tl.load(LSE + rows, mask=row_mask, other=_DEAD_ROW_LSE)
         delta = tl.load(DELTA + rows, mask=row_mask, other=0.0)
-        threshold = _row_threshold(tau_h, tl.load(QPOS + rows, mask=row_mask, other=0), lse)
-        p, dp, alive = _causal_bwd_tile(q, do, k, v, band + start_m, n0, diagonal, keys, rows + offset,
-                                        lse * _LOG2E, threshold, scale_log2, BIAS, DIAGONAL, UPCAST, PRECISION)
-        ds = p * (dp - delta[:, None])
-        a = tl.where(alive, p + threshold[:, None], 0.0)
-        dv = _dot(tl.trans(a.to(do.dtype)), do, UPCAST, PRECISION, dv)
-        dk = _dot(tl.trans(ds.to(q.dtype)), q, UPCAST, PRECISION, dk)
+        threshold = _row_threshold(tau_h, tl.load(QPOS + rows, mask=row_mask, other=0), lse)[None, :]
+        p, dp, alive = _causal_bwd_tile(k, v, q, do, band + start_m, n0, diagonal,
+                                        keys[:, None] <= (rows + offset)[None, :], (lse * _LOG2E)[None, :],
+                                        threshold, scale_log2, BIAS, DIAGONAL, UPCAST, PRECISION)
+        ds = p * (dp - delta[None, :])
+        dv = _dot(tl.where(alive, p + threshold, 0.0).to(do.dtype), do, UPCAST, PRECISION, dv)
+        dk = _dot(ds.to(q.dtype), q, UPCAST, PRECISION, dk)
         if BIAS:
-            near, wrapped = _diagonal_sums(ds, BLOCK_M, BLOCK_N)
-            tl.store(dbias_row + carry_d, carry + wrapped, mask=(carry_d >= 0) & (carry_d < W))
-            carry = near
-            carry_d = start_m + offset - n0 + offs_m
+            near, wrapped = _diagonal_sums(ds, BLOCK_N)
+            dist = start_m + offset - n0 - tl.arange(0, BLOCK_N)
+            tl.store(dbias_row + dist, near + carry, mask=(dist >= 0) & (dist < W))
+            carry = wrapped
+            carry_d = dist + BLOCK_M
     return dk, dv, carry, carry_d
 
 
@@ -823,7 +827,7 @@ def _lazy_causal_bwd_dkdv_kernel(Q, K, V, TAU, BAND, QPOS, LSE, DELTA, DO, DK, D
     """Causal fast path of `_lazy_bwd_dkdv_kernel`: dk, dv of one key tile of one KV head, and the d distance_bias
     partials of its query heads in private rows of DBIAS_PART [B * Hq * cdiv(Tk, BN), W] (each distance stored
     once, no atomics). Grid: (cdiv(Tk, BN), B * Hkv)."""
-    tl.static_assert(BLOCK_N <= BLOCK_M)  # `_diagonal_sums` wraps each column at most once
+    tl.static_assert(BLOCK_N == BLOCK_M)  # `_diagonal_sums` takes square tiles; the carry steps by BM
     pid_n = tl.program_id(0)
     pid_bkv = tl.program_id(1)
     b = (pid_bkv // Hkv).to(tl.int64)
@@ -849,8 +853,8 @@ def _lazy_causal_bwd_dkdv_kernel(Q, K, V, TAU, BAND, QPOS, LSE, DELTA, DO, DK, D
         tau_h = tl.load(TAU + h)
         band = BAND + h * BAND_LEN + (BLOCK_M + BLOCK_N) + offset  # + m0: band of distance m0 + offset - n0
         dbias_row = DBIAS_PART + (bh * tl.num_programs(0) + pid_n) * W
-        carry = tl.zeros([BLOCK_M], tl.float32)
-        carry_d = start + offset - n0 - BLOCK_M + tl.arange(0, BLOCK_M)  # all < 0: nothing stored
+        carry = tl.zeros([BLOCK_N], tl.float32)
+        carry_d = start + offset - n0 - tl.arange(0, BLOCK_N)  # the first tile's: overwritten, or 0 stored at d <= 0
         dk, dv, carry, carry_d = _causal_dkdv_tiles(
             dk, dv, carry, carry_d, k, v, Q_, DO_, QPOS + b * Tq, LSE + bh * Tq, DELTA + bh * Tq, dbias_row, band,
             tau_h, n0, start, tl.minimum(near, Tq), Tq, W, offset, stride_qt, stride_dot, scale_log2,
