@@ -662,18 +662,17 @@ _LOG2E = tl.constexpr(LOG2E)
 
 
 @triton.jit
-def _causal_bwd_tile(x, dx, y, dy, band, start, diagonal, visible, lse2, threshold, scale_log2,
+def _causal_bwd_tile(x, y, band, start, diagonal, visible, lse2, threshold, scale_log2,
                      BIAS: tl.constexpr, DIAGONAL: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
-    """`(p, m dP, m)` of one (query tile, key tile) pair, as `x y^T` products: `[BM, BN]` from (q, dO, k, v) with
-    `lse2`, `threshold` as `[BM, 1]`, or transposed, `[BN, BM]` from (k, v, q, dO) with them as `[1, BM]`.
-    `DIAGONAL` tiles clear m where not `visible` (p is already 0 there from the band's -inf, but with tau > 0
-    p + tau/n > 0)."""
+    """`(p, m)` of one (query tile, key tile) pair from `x y^T`: `[BM, BN]` from (q, k) with `lse2`, `threshold` as
+    `[BM, 1]`, or transposed, `[BN, BM]` from (k, q) with them as `[1, BM]`. `DIAGONAL` tiles clear m where not
+    `visible` (p is already 0 there from the band's -inf, but with tau > 0 p + tau/n > 0)."""
     s = _causal_scores(x, y, band, start, diagonal, scale_log2, BIAS, False, UPCAST, PRECISION)
     p = tl.exp2(s - lse2)
     alive = p + threshold > 0.0  # float32 threshold test
     if DIAGONAL:
         alive = alive & visible
-    return p, tl.where(alive, _dot(dx, tl.trans(dy), UPCAST, PRECISION), 0.0), alive
+    return p, alive
 
 
 @triton.jit
@@ -689,8 +688,9 @@ def _causal_bwd_query_tiles(q, do, lse2, threshold, delta, m_dp_sum, acc, K, V, 
         keys = start_n + offs_n
         k = _load_keys(K, stride_kt, keys, offs_d, Tk, D, BLOCK_D, DIAGONAL)
         v = _load_keys(V, stride_vt, keys, offs_d, Tk, D, BLOCK_D, DIAGONAL)
-        p, dp, _ = _causal_bwd_tile(q, do, k, v, band, start_n, diagonal, keys[None, :] <= q_key_idx[:, None],
+        p, alive = _causal_bwd_tile(q, k, band, start_n, diagonal, keys[None, :] <= q_key_idx[:, None],
                                     lse2[:, None], threshold[:, None], scale_log2, BIAS, DIAGONAL, UPCAST, PRECISION)
+        dp = tl.where(alive, _dot(do, tl.trans(v), UPCAST, PRECISION), 0.0)
         if DQ:
             acc = _dot((p * (dp - delta[:, None])).to(k.dtype), k, UPCAST, PRECISION, acc)
         else:
@@ -802,11 +802,10 @@ def _causal_dkdv_tiles(dk, dv, carry, carry_d, k, v, Q, DO, QPOS, LSE, DELTA, db
         lse = tl.load(LSE + rows, mask=row_mask, other=_DEAD_ROW_LSE)
         delta = tl.load(DELTA + rows, mask=row_mask, other=0.0)
         threshold = _row_threshold(tau_h, tl.load(QPOS + rows, mask=row_mask, other=0), lse)[None, :]
-        p, dp, alive = _causal_bwd_tile(k, v, q, do, band + start_m, n0, diagonal,
-                                        keys[:, None] <= (rows + offset)[None, :], (lse * _LOG2E)[None, :],
-                                        threshold, scale_log2, BIAS, DIAGONAL, UPCAST, PRECISION)
-        ds = p * (dp - delta[None, :])
+        p, alive = _causal_bwd_tile(k, q, band + start_m, n0, diagonal, keys[:, None] <= (rows + offset)[None, :],
+                                    (lse * _LOG2E)[None, :], threshold, scale_log2, BIAS, DIAGONAL, UPCAST, PRECISION)
         dv = _dot(tl.where(alive, p + threshold, 0.0).to(do.dtype), do, UPCAST, PRECISION, dv)
+        ds = p * (tl.where(alive, _dot(v, tl.trans(do), UPCAST, PRECISION), 0.0) - delta[None, :])
         dk = _dot(ds.to(q.dtype), q, UPCAST, PRECISION, dk)
         if BIAS:
             near, wrapped = _diagonal_sums(ds, BLOCK_N)
