@@ -85,8 +85,8 @@ _CONFIGS = {
         ("dkdv", 128): (128, 32, 8, 2),
         ("causal_delta", 64): (128, 64, 8, 2),
         ("causal_delta", 128): (128, 64, 8, 2),
-        ("causal_dq", 64): (128, 64, 8, 2),
-        ("causal_dq", 128): (128, 32, 8, 2),
+        ("causal_dq", 64): (64, 64, 4, 2),
+        ("causal_dq", 128): (64, 64, 4, 2),
         ("causal_dkdv", 64): (64, 64, 4, 2),
         ("causal_dkdv", 128): (64, 64, 4, 2),
     },
@@ -106,7 +106,7 @@ _CONFIGS = {
         ("causal_delta", 64): (64, 64, 4, 2),
         ("causal_delta", 128): (64, 64, 8, 2),
         ("causal_dq", 64): (64, 64, 4, 2),
-        ("causal_dq", 128): (64, 32, 8, 2),
+        ("causal_dq", 128): (64, 64, 4, 2),
         ("causal_dkdv", 64): (64, 64, 4, 2),
         ("causal_dkdv", 128): (64, 64, 4, 2),
     },
@@ -647,15 +647,15 @@ def _lazy_bwd_dkdv_kernel(Q, K, V, TAU, BIAS, QPOS, KPOS, QSEG, KSEG, LSE, DELTA
 # forward: p = exp2(s - LSE_i log2(e)) with the stored natural-unit LSE, loop bounds instead of visibility tests,
 # no per-key metadata, unconditional (pipelined) loads. Dense: no tile skipping.
 #     _lazy_causal_bwd_delta_kernel   Delta_i = sum_j m p dP and the d tau partials, per query tile
-#     _lazy_causal_bwd_dq_kernel      dq per query tile
-#     _lazy_causal_bwd_dkdv_kernel    dk, dv per key tile (GQA: the query heads of one KV head), query tiles in
-#                                     three ranges: at the causal limit, inside the bias window, beyond it
-# d distance_bias: a (query tile, key tile) pair holds the distances base + (r - c), r < BM, c < BN (base =
-# m0 + offset - n0). `_diagonal_sums` shears the dS tile (row r + c mod BM of column c) so that each row of the
-# result holds one diagonal, or (wrapped entries) the diagonal BM below it; the wrapped sums of query tile m0 + BM
-# land on the same distances as the unwrapped ones of m0, so the dk/dv kernel carries them in registers from one
-# query tile to the next and stores every distance of its private row once: no atomics. Tiles beyond the window
-# have no bias and no bias gradient.
+#     _lazy_causal_bwd_dq_kernel      dq and the d distance_bias partials, per query tile
+#     _lazy_causal_bwd_dkdv_kernel    dk, dv per key tile (GQA: the query heads of one KV head) on transposed
+#                                     tiles, query tiles in two ranges: at the causal limit, then the rest
+# d distance_bias, in the dq kernel (square tiles, BM = BN): a (query tile, key tile) pair holds the distances
+# base + (r - c) (base = m0 + offset - n0). `_diagonal_sums` shears the dS tile (row r + c mod BM of column c) so
+# that each row of the result holds one diagonal, or (wrapped entries) the diagonal BM below it; the wrapped sums
+# of key tile n0 land on the distances of the unwrapped ones of key tile n0 + BN, so the kernel carries them in
+# registers to the next key tile and stores every distance of its private row once: no atomics. Key tiles beyond
+# the window have no bias and no bias gradient.
 # ---------------------------------------------------------------------------------------------------
 
 _LOG2E = tl.constexpr(LOG2E)
@@ -676,12 +676,24 @@ def _causal_bwd_tile(x, y, band, start, diagonal, visible, lse2, threshold, scal
 
 
 @triton.jit
-def _causal_bwd_query_tiles(q, do, lse2, threshold, delta, m_dp_sum, acc, K, V, stride_kt, stride_vt, band, diagonal,
-                            q_key_idx, lo, hi, Tk, scale_log2, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                            D: tl.constexpr, BIAS: tl.constexpr, DIAGONAL: tl.constexpr, DQ: tl.constexpr,
-                            UPCAST: tl.constexpr, PRECISION: tl.constexpr):
-    """Key tiles [lo, hi) of one query tile: `DQ` adds dS @ K to acc (delta given), otherwise the row sums
-    delta += sum_j m p dP and m_dp_sum += sum_j m dP."""
+def _diagonal_sums(t, BLOCK: tl.constexpr):
+    """`(near, wrapped)` `[B]` float32 sums of a square `[B, B]` tile along its diagonals: near[r] of the entries
+    with row - column = r, wrapped[r] of those with row - column = r - B."""
+    r = tl.arange(0, BLOCK)[:, None]
+    c = tl.arange(0, BLOCK)[None, :]
+    sheared = tl.gather(t, (r + c) % BLOCK, 0)  # sheared[r, c] = t[(r + c) mod B, c]
+    wrap = r + c >= BLOCK
+    return tl.sum(tl.where(wrap, 0.0, sheared), 1), tl.sum(tl.where(wrap, sheared, 0.0), 1)
+
+
+@triton.jit
+def _causal_bwd_query_tiles(q, do, lse2, threshold, delta, m_dp_sum, acc, carry, K, V, stride_kt, stride_vt, band,
+                            diagonal, q_key_idx, dbias_row, base, lo, hi, Tk, W, scale_log2,
+                            BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, D: tl.constexpr, BIAS: tl.constexpr,
+                            DIAGONAL: tl.constexpr, DQ: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    """Key tiles [lo, hi) of one query tile. `DQ`: acc += dS @ K (delta given) and, with `BIAS`, the diagonal sums
+    of dS into the private bias row at distances base - start_n + r (`carry`: the wrapped sums, for the next key
+    tile). Otherwise the row sums delta += sum_j m p dP and m_dp_sum += sum_j m dP."""
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     for start_n in range(lo, hi, BLOCK_N):
@@ -692,15 +704,21 @@ def _causal_bwd_query_tiles(q, do, lse2, threshold, delta, m_dp_sum, acc, K, V, 
                                     lse2[:, None], threshold[:, None], scale_log2, BIAS, DIAGONAL, UPCAST, PRECISION)
         dp = tl.where(alive, _dot(do, tl.trans(v), UPCAST, PRECISION), 0.0)
         if DQ:
-            acc = _dot((p * (dp - delta[:, None])).to(k.dtype), k, UPCAST, PRECISION, acc)
+            ds = p * (dp - delta[:, None])
+            acc = _dot(ds.to(k.dtype), k, UPCAST, PRECISION, acc)
+            if BIAS:
+                near, wrapped = _diagonal_sums(ds, BLOCK_N)
+                dist = base - start_n + offs_n
+                tl.store(dbias_row + dist, near + carry, mask=(dist >= 0) & (dist < W))
+                carry = wrapped
         else:
             delta += tl.sum(p * dp, 1)
             m_dp_sum += tl.sum(dp, 1)
-    return delta, m_dp_sum, acc
+    return delta, m_dp_sum, acc, carry
 
 
 @triton.jit
-def _causal_bwd_query(Q, K, V, TAU, BAND, QPOS, QSEG, LSE, DO, DELTA,
+def _causal_bwd_query(Q, K, V, TAU, BAND, QPOS, QSEG, LSE, DO, DELTA, DBIAS_PART,
                       stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt,
                       stride_vb, stride_vh, stride_vt, stride_dob, stride_doh, stride_dot,
                       Hq, Tq, Tk, W, GROUPS, BAND_LEN, scale_log2,
@@ -725,15 +743,21 @@ def _causal_bwd_query(Q, K, V, TAU, BAND, QPOS, QSEG, LSE, DO, DELTA,
         delta = tl.zeros([BLOCK_M], tl.float32)
     m_dp_sum = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    delta, m_dp_sum, acc = _causal_bwd_query_tiles(q, do, lse2, threshold, delta, m_dp_sum, acc, K_, V_, stride_kt,
-                                                   stride_vt, band, diagonal, q_key_idx, 0, far, Tk, scale_log2,
-                                                   BLOCK_N, BLOCK_D, D, False, False, DQ, UPCAST, PRECISION)
-    delta, m_dp_sum, acc = _causal_bwd_query_tiles(q, do, lse2, threshold, delta, m_dp_sum, acc, K_, V_, stride_kt,
-                                                   stride_vt, band, diagonal, q_key_idx, far, full, Tk, scale_log2,
-                                                   BLOCK_N, BLOCK_D, D, True, False, DQ, UPCAST, PRECISION)
-    delta, m_dp_sum, acc = _causal_bwd_query_tiles(q, do, lse2, threshold, delta, m_dp_sum, acc, K_, V_, stride_kt,
-                                                   stride_vt, band, diagonal, q_key_idx, full, hi, Tk, scale_log2,
-                                                   BLOCK_N, BLOCK_D, D, True, True, DQ, UPCAST, PRECISION)
+    carry = tl.zeros([BLOCK_M], tl.float32)
+    dbias_row = DBIAS_PART + (pid_bh.to(tl.int64) * tl.num_programs(0) + pid_m) * W
+    args = (K_, V_, stride_kt, stride_vt, band, diagonal, q_key_idx, dbias_row, m0 + Tk - Tq)
+    delta, m_dp_sum, acc, carry = _causal_bwd_query_tiles(q, do, lse2, threshold, delta, m_dp_sum, acc, carry, *args,
+                                                          0, far, Tk, W, scale_log2, BLOCK_N, BLOCK_D, D, False,
+                                                          False, DQ, UPCAST, PRECISION)
+    delta, m_dp_sum, acc, carry = _causal_bwd_query_tiles(q, do, lse2, threshold, delta, m_dp_sum, acc, carry, *args,
+                                                          far, full, Tk, W, scale_log2, BLOCK_N, BLOCK_D, D, True,
+                                                          False, DQ, UPCAST, PRECISION)
+    delta, m_dp_sum, acc, carry = _causal_bwd_query_tiles(q, do, lse2, threshold, delta, m_dp_sum, acc, carry, *args,
+                                                          full, hi, Tk, W, scale_log2, BLOCK_N, BLOCK_D, D, True,
+                                                          True, DQ, UPCAST, PRECISION)
+    if DQ:  # the last key tile's wrapped sums: the distances of the key tile after it
+        dist = m0 + Tk - Tq - tl.cdiv(hi, BLOCK_N) * BLOCK_N + tl.arange(0, BLOCK_M)
+        tl.store(dbias_row + dist, carry, mask=(dist >= 0) & (dist < W))
     return pid_m, pid_bh, b, h, rows, offs_d, row_mask, inv_n, delta, m_dp_sum, acc
 
 
@@ -746,7 +770,7 @@ def _lazy_causal_bwd_delta_kernel(Q, K, V, TAU, BAND, QPOS, QSEG, LSE, DO, DELTA
                                   D: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
     """Causal fast path of `_lazy_bwd_delta_kernel`: Delta_i and the tile's d tau partial. Grid (cdiv(Tq, BM), B*Hq)."""
     pid_m, pid_bh, _, _, rows, _, row_mask, inv_n, delta, m_dp_sum, _ = _causal_bwd_query(
-        Q, K, V, TAU, BAND, QPOS, QSEG, LSE, DO, DELTA, stride_qb, stride_qh, stride_qt, stride_kb, stride_kh,
+        Q, K, V, TAU, BAND, QPOS, QSEG, LSE, DO, DELTA, DELTA, stride_qb, stride_qh, stride_qt, stride_kb, stride_kh,
         stride_kt, stride_vb, stride_vh, stride_vt, stride_dob, stride_doh, stride_dot, Hq, Tq, Tk, W, GROUPS,
         BAND_LEN, scale_log2, BLOCK_M, BLOCK_N, BLOCK_D, D, False, UPCAST, PRECISION)
     tl.store(DELTA + pid_bh.to(tl.int64) * Tq + rows, delta, mask=row_mask)
@@ -755,78 +779,60 @@ def _lazy_causal_bwd_delta_kernel(Q, K, V, TAU, BAND, QPOS, QSEG, LSE, DO, DELTA
 
 
 @triton.jit
-def _lazy_causal_bwd_dq_kernel(Q, K, V, TAU, BAND, QPOS, QSEG, LSE, DO, DELTA, DQ,
+def _lazy_causal_bwd_dq_kernel(Q, K, V, TAU, BAND, QPOS, QSEG, LSE, DO, DELTA, DQ, DBIAS_PART,
                                stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt,
                                stride_vb, stride_vh, stride_vt, stride_dob, stride_doh, stride_dot,
                                Hq, Tq, Tk, W, GROUPS, BAND_LEN, scale_log2, scaling,
                                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                                D: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
-    """Causal fast path of `_lazy_bwd_dq_kernel`: dq_i = scaling sum_j dS_ij k_j. Grid (cdiv(Tq, BM), B * Hq)."""
+    """Causal fast path of `_lazy_bwd_dq_kernel`: dq_i = scaling sum_j dS_ij k_j, and the query tile's
+    d distance_bias partial, a private float32 row of DBIAS_PART [B * Hq * cdiv(Tq, BM), W] (each distance stored
+    once). Grid (cdiv(Tq, BM), B * Hq)."""
+    tl.static_assert(BLOCK_N == BLOCK_M)  # `_diagonal_sums` takes square tiles; the carry steps by BN
     _, _, b, h, rows, offs_d, row_mask, _, _, _, acc = _causal_bwd_query(
-        Q, K, V, TAU, BAND, QPOS, QSEG, LSE, DO, DELTA, stride_qb, stride_qh, stride_qt, stride_kb, stride_kh,
-        stride_kt, stride_vb, stride_vh, stride_vt, stride_dob, stride_doh, stride_dot, Hq, Tq, Tk, W, GROUPS,
-        BAND_LEN, scale_log2, BLOCK_M, BLOCK_N, BLOCK_D, D, True, UPCAST, PRECISION)
+        Q, K, V, TAU, BAND, QPOS, QSEG, LSE, DO, DELTA, DBIAS_PART, stride_qb, stride_qh, stride_qt, stride_kb,
+        stride_kh, stride_kt, stride_vb, stride_vh, stride_vt, stride_dob, stride_doh, stride_dot, Hq, Tq, Tk, W,
+        GROUPS, BAND_LEN, scale_log2, BLOCK_M, BLOCK_N, BLOCK_D, D, True, UPCAST, PRECISION)
     tl.store(DQ + b * stride_qb + h * stride_qh + rows[:, None] * stride_qt + offs_d[None, :],
              (acc * scaling).to(DQ.dtype.element_ty), mask=row_mask[:, None] & (offs_d[None, :] < D))
 
 
 @triton.jit
-def _diagonal_sums(t, BLOCK: tl.constexpr):
-    """`(near, wrapped)` `[B]` float32 sums of a square `[B, B]` tile along its diagonals: near[a] of the entries
-    with row - column = a, wrapped[a] of those with row - column = a - B."""
-    r = tl.arange(0, BLOCK)[:, None]
-    c = tl.arange(0, BLOCK)[None, :]
-    sheared = tl.gather(t, (r + c) % BLOCK, 0)  # sheared[r, c] = t[(r + c) mod B, c]
-    wrap = r + c >= BLOCK
-    return tl.sum(tl.where(wrap, 0.0, sheared), 1), tl.sum(tl.where(wrap, sheared, 0.0), 1)
-
-
-@triton.jit
-def _causal_dkdv_tiles(dk, dv, carry, carry_d, k, v, Q, DO, QPOS, LSE, DELTA, dbias_row, band, tau_h, n0, lo, hi,
-                       Tq, W, offset, stride_qt, stride_dot, scale_log2,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, D: tl.constexpr,
-                       BIAS: tl.constexpr, DIAGONAL: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+def _causal_dkdv_tiles(dk, dv, k, v, Q, DO, QPOS, LSE, DELTA, band, tau_h, n0, lo, hi, Tq, offset, stride_qt,
+                       stride_dot, scale_log2, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                       D: tl.constexpr, BIAS: tl.constexpr, DIAGONAL: tl.constexpr, UPCAST: tl.constexpr,
+                       PRECISION: tl.constexpr):
     """Query tiles [lo, hi) (step BM) of one key tile and one query head, on transposed `[BN, BM]` tiles:
-    dk += dS^T Q, dv += a^T dO; with `BIAS`, the diagonal sums of dS^T go to the private bias row at distances
-    base - a (base = m0 + offset - n0) and `carry` keeps the wrapped ones, at distances `carry_d` = base + BM - a,
-    the next query tile's unwrapped distances."""
+    dk += dS^T Q, dv += a^T dO. Rows past Tq (last tile) read row Tq - 1 instead of masking (masked tile loads
+    cost registers); their dead-row LSE makes p = 0 and m = 0, so they add nothing."""
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     keys = n0 + tl.arange(0, BLOCK_N)
     diagonal = offs_m[None, :] - tl.arange(0, BLOCK_N)[:, None]  # [BN, BM] row (query) - column (key)
     for start_m in range(lo, hi, BLOCK_M):
         rows = start_m + offs_m
-        row_mask = rows < Tq
-        q = _load_rows(Q, stride_qt, rows, offs_d, Tq, D)
-        do = _load_rows(DO, stride_dot, rows, offs_d, Tq, D)
-        lse = tl.load(LSE + rows, mask=row_mask, other=_DEAD_ROW_LSE)
-        delta = tl.load(DELTA + rows, mask=row_mask, other=0.0)
-        threshold = _row_threshold(tau_h, tl.load(QPOS + rows, mask=row_mask, other=0), lse)[None, :]
+        rows_in = tl.minimum(rows, Tq - 1)
+        q = _load_keys(Q, stride_qt, rows_in, offs_d, Tq, D, BLOCK_D, False)
+        do = _load_keys(DO, stride_dot, rows_in, offs_d, Tq, D, BLOCK_D, False)
+        lse = tl.load(LSE + rows, mask=rows < Tq, other=_DEAD_ROW_LSE)
+        threshold = _row_threshold(tau_h, tl.load(QPOS + rows_in), lse)[None, :]
         p, alive = _causal_bwd_tile(k, q, band + start_m, n0, diagonal, keys[:, None] <= (rows + offset)[None, :],
                                     (lse * _LOG2E)[None, :], threshold, scale_log2, BIAS, DIAGONAL, UPCAST, PRECISION)
         dv = _dot(tl.where(alive, p + threshold, 0.0).to(do.dtype), do, UPCAST, PRECISION, dv)
-        ds = p * (tl.where(alive, _dot(v, tl.trans(do), UPCAST, PRECISION), 0.0) - delta[None, :])
-        dk = _dot(ds.to(q.dtype), q, UPCAST, PRECISION, dk)
-        if BIAS:
-            near, wrapped = _diagonal_sums(ds, BLOCK_N)
-            dist = start_m + offset - n0 - tl.arange(0, BLOCK_N)
-            tl.store(dbias_row + dist, near + carry, mask=(dist >= 0) & (dist < W))
-            carry = wrapped
-            carry_d = dist + BLOCK_M
-    return dk, dv, carry, carry_d
+        dp = tl.where(alive, _dot(v, tl.trans(do), UPCAST, PRECISION), 0.0)
+        dk = _dot((p * (dp - tl.load(DELTA + rows_in)[None, :])).to(q.dtype), q, UPCAST, PRECISION, dk)
+    return dk, dv
 
 
 @triton.jit
-def _lazy_causal_bwd_dkdv_kernel(Q, K, V, TAU, BAND, QPOS, LSE, DELTA, DO, DK, DV, DBIAS_PART,
+def _lazy_causal_bwd_dkdv_kernel(Q, K, V, TAU, BAND, QPOS, LSE, DELTA, DO, DK, DV,
                                  stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt,
                                  stride_vb, stride_vh, stride_vt, stride_dob, stride_doh, stride_dot,
                                  Hq, Hkv, Tq, Tk, W, GROUPS, BAND_LEN, scale_log2, scaling,
                                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                                  D: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
-    """Causal fast path of `_lazy_bwd_dkdv_kernel`: dk, dv of one key tile of one KV head, and the d distance_bias
-    partials of its query heads in private rows of DBIAS_PART [B * Hq * cdiv(Tk, BN), W] (each distance stored
-    once, no atomics). Grid: (cdiv(Tk, BN), B * Hkv)."""
-    tl.static_assert(BLOCK_N == BLOCK_M)  # `_diagonal_sums` takes square tiles; the carry steps by BM
+    """Causal fast path of `_lazy_bwd_dkdv_kernel`: dk, dv of one key tile of one KV head (the bias gradient comes
+    from the dq kernel). Grid: (cdiv(Tk, BN), B * Hkv)."""
     pid_n = tl.program_id(0)
     pid_bkv = tl.program_id(1)
     b = (pid_bkv // Hkv).to(tl.int64)
@@ -847,32 +853,20 @@ def _lazy_causal_bwd_dkdv_kernel(Q, K, V, TAU, BAND, QPOS, LSE, DELTA, DO, DK, D
     for g in range(0, GROUPS):
         h = hk * GROUPS + g
         bh = b * Hq + h
-        Q_ = Q + b * stride_qb + h * stride_qh
-        DO_ = DO + b * stride_dob + h * stride_doh
-        tau_h = tl.load(TAU + h)
-        band = BAND + h * BAND_LEN + (BLOCK_M + BLOCK_N) + offset  # + m0: band of distance m0 + offset - n0
-        dbias_row = DBIAS_PART + (bh * tl.num_programs(0) + pid_n) * W
-        carry = tl.zeros([BLOCK_N], tl.float32)
-        carry_d = start + offset - n0 - tl.arange(0, BLOCK_N)  # the first tile's: overwritten, or 0 stored at d <= 0
-        dk, dv, carry, carry_d = _causal_dkdv_tiles(
-            dk, dv, carry, carry_d, k, v, Q_, DO_, QPOS + b * Tq, LSE + bh * Tq, DELTA + bh * Tq, dbias_row, band,
-            tau_h, n0, start, tl.minimum(near, Tq), Tq, W, offset, stride_qt, stride_dot, scale_log2,
-            BLOCK_M, BLOCK_N, BLOCK_D, D, True, True, UPCAST, PRECISION)
-        dk, dv, carry, carry_d = _causal_dkdv_tiles(
-            dk, dv, carry, carry_d, k, v, Q_, DO_, QPOS + b * Tq, LSE + bh * Tq, DELTA + bh * Tq, dbias_row, band,
-            tau_h, n0, near, tl.minimum(far, Tq), Tq, W, offset, stride_qt, stride_dot, scale_log2,
-            BLOCK_M, BLOCK_N, BLOCK_D, D, True, False, UPCAST, PRECISION)
-        tl.store(dbias_row + carry_d, carry, mask=(carry_d >= 0) & (carry_d < W))
-        dk, dv, carry, carry_d = _causal_dkdv_tiles(
-            dk, dv, carry, carry_d, k, v, Q_, DO_, QPOS + b * Tq, LSE + bh * Tq, DELTA + bh * Tq, dbias_row, band,
-            tau_h, n0, far, Tq, Tq, W, offset, stride_qt, stride_dot, scale_log2,
-            BLOCK_M, BLOCK_N, BLOCK_D, D, False, False, UPCAST, PRECISION)
+        args = (k, v, Q + b * stride_qb + h * stride_qh, DO + b * stride_dob + h * stride_doh, QPOS + b * Tq,
+                LSE + bh * Tq, DELTA + bh * Tq, BAND + h * BAND_LEN + (BLOCK_M + BLOCK_N) + offset, tl.load(TAU + h),
+                n0)  # the band pointer + m0: the band of distance m0 + offset - n0
+        dk, dv = _causal_dkdv_tiles(dk, dv, *args, start, tl.minimum(near, Tq), Tq, offset, stride_qt, stride_dot,
+                                    scale_log2, BLOCK_M, BLOCK_N, BLOCK_D, D, True, True, UPCAST, PRECISION)
+        dk, dv = _causal_dkdv_tiles(dk, dv, *args, near, tl.minimum(far, Tq), Tq, offset, stride_qt, stride_dot,
+                                    scale_log2, BLOCK_M, BLOCK_N, BLOCK_D, D, True, False, UPCAST, PRECISION)
+        dk, dv = _causal_dkdv_tiles(dk, dv, *args, far, Tq, Tq, offset, stride_qt, stride_dot,
+                                    scale_log2, BLOCK_M, BLOCK_N, BLOCK_D, D, False, False, UPCAST, PRECISION)
     kv_mask = (keys[:, None] < Tk) & (offs_d[None, :] < D)
     tl.store(DK + b * stride_kb + hk * stride_kh + keys[:, None] * stride_kt + offs_d[None, :],
              (dk * scaling).to(DK.dtype.element_ty), mask=kv_mask)
     tl.store(DV + b * stride_vb + hk * stride_vh + keys[:, None] * stride_vt + offs_d[None, :],
              dv.to(DV.dtype.element_ty), mask=kv_mask)
-
 
 # ---------------------------------------------------------------------------------------------------
 # Launchers
@@ -1090,11 +1084,13 @@ def _causal_backward(grad_out, query, key, value, dq, dk, dv, tau, distance_bias
     dtau_part = torch.empty(bsz, num_heads, triton.cdiv(q_len, _config("causal_delta", block_d, family)[0]),
                             dtype=torch.float32, device=query.device)
     launch(_lazy_causal_bwd_delta_kernel, "causal_delta", query_tiles, QSEG=q_seg, DELTA=delta, DTAU_PART=dtau_part)
-    launch(_lazy_causal_bwd_dq_kernel, "causal_dq", query_tiles, QSEG=q_seg, DELTA=delta, DQ=dq, scaling=scaling)
-    k_tiles = triton.cdiv(k_len, _config("causal_dkdv", block_d, family)[1])
-    dbias_part = torch.zeros(bsz, num_heads, k_tiles, window, dtype=torch.float32, device=query.device)
-    launch(_lazy_causal_bwd_dkdv_kernel, "causal_dkdv", lambda block_m, block_n: (k_tiles, bsz * kv_heads),
-           DELTA=delta, DK=dk, DV=dv, DBIAS_PART=dbias_part, Hkv=kv_heads, scaling=scaling)
+    dbias_part = torch.zeros(bsz, num_heads, triton.cdiv(q_len, _config("causal_dq", block_d, family)[0]), window,
+                             dtype=torch.float32, device=query.device)
+    launch(_lazy_causal_bwd_dq_kernel, "causal_dq", query_tiles, QSEG=q_seg, DELTA=delta, DQ=dq, DBIAS_PART=dbias_part,
+           scaling=scaling)
+    launch(_lazy_causal_bwd_dkdv_kernel, "causal_dkdv",
+           lambda block_m, block_n: (triton.cdiv(k_len, block_n), bsz * kv_heads), DELTA=delta, DK=dk, DV=dv,
+           Hkv=kv_heads, scaling=scaling)
     return dq, dk, dv, dtau_part.sum(dim=(0, 2)), dbias_part.sum(dim=(0, 2))
 
 
