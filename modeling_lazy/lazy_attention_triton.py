@@ -828,15 +828,18 @@ def _causal_dkdv_tiles(dk, dv, k, v, Q, DO, QPOS, LSE, DELTA, band, tau_h, n0, l
 def _lazy_causal_bwd_dkdv_kernel(Q, K, V, TAU, BAND, QPOS, LSE, DELTA, DO, DK, DV,
                                  stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt,
                                  stride_vb, stride_vh, stride_vt, stride_dob, stride_doh, stride_dot,
-                                 Hq, Hkv, Tq, Tk, W, GROUPS, BAND_LEN, scale_log2, scaling,
-                                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                                 stride_dkb, stride_dkh, stride_dkt, Hq, Tq, Tk, W, GROUPS, BAND_LEN, scale_log2,
+                                 scaling, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                                  D: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
-    """Causal fast path of `_lazy_bwd_dkdv_kernel`: dk, dv of one key tile of one KV head (the bias gradient comes
-    from the dq kernel). Grid: (cdiv(Tk, BN), B * Hkv)."""
+    """Causal fast path of `_lazy_bwd_dkdv_kernel`: the dk, dv terms of one key tile from one query head (the bias
+    gradient comes from the dq kernel). DK, DV `[B, Hq, Tk, D]` (strides `stride_dk*`): the gradients themselves
+    without GQA, float32 per-query-head terms the launcher sums over each group with it (a loop over the group
+    here would keep every loop's invariants live at once: spills). Grid: (cdiv(Tk, BN), B * Hq)."""
     pid_n = tl.program_id(0)
-    pid_bkv = tl.program_id(1)
-    b = (pid_bkv // Hkv).to(tl.int64)
-    hk = (pid_bkv % Hkv).to(tl.int64)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // Hq).to(tl.int64)
+    h = (pid_bh % Hq).to(tl.int64)
+    hk = h // GROUPS
     n0 = pid_n * BLOCK_N
     offs_d = tl.arange(0, BLOCK_D)
     keys = n0 + tl.arange(0, BLOCK_N)
@@ -850,23 +853,20 @@ def _lazy_causal_bwd_dkdv_kernel(Q, K, V, TAU, BAND, QPOS, LSE, DELTA, DO, DK, D
     far = tl.maximum(near, tl.cdiv(tl.maximum(n0 + BLOCK_N - 1 + W - offset, 0), BLOCK_M) * BLOCK_M)
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
-    for g in range(0, GROUPS):
-        h = hk * GROUPS + g
-        bh = b * Hq + h
-        args = (k, v, Q + b * stride_qb + h * stride_qh, DO + b * stride_dob + h * stride_doh, QPOS + b * Tq,
-                LSE + bh * Tq, DELTA + bh * Tq, BAND + h * BAND_LEN + (BLOCK_M + BLOCK_N) + offset, tl.load(TAU + h),
-                n0)  # the band pointer + m0: the band of distance m0 + offset - n0
-        dk, dv = _causal_dkdv_tiles(dk, dv, *args, start, tl.minimum(near, Tq), Tq, offset, stride_qt, stride_dot,
-                                    scale_log2, BLOCK_M, BLOCK_N, BLOCK_D, D, True, True, UPCAST, PRECISION)
-        dk, dv = _causal_dkdv_tiles(dk, dv, *args, near, tl.minimum(far, Tq), Tq, offset, stride_qt, stride_dot,
-                                    scale_log2, BLOCK_M, BLOCK_N, BLOCK_D, D, True, False, UPCAST, PRECISION)
-        dk, dv = _causal_dkdv_tiles(dk, dv, *args, far, Tq, Tq, offset, stride_qt, stride_dot,
-                                    scale_log2, BLOCK_M, BLOCK_N, BLOCK_D, D, False, False, UPCAST, PRECISION)
+    bh = pid_bh.to(tl.int64)
+    args = (k, v, Q + b * stride_qb + h * stride_qh, DO + b * stride_dob + h * stride_doh, QPOS + b * Tq,
+            LSE + bh * Tq, DELTA + bh * Tq, BAND + h * BAND_LEN + (BLOCK_M + BLOCK_N) + offset, tl.load(TAU + h),
+            n0)  # the band pointer + m0: the band of distance m0 + offset - n0
+    dk, dv = _causal_dkdv_tiles(dk, dv, *args, start, tl.minimum(near, Tq), Tq, offset, stride_qt, stride_dot,
+                                scale_log2, BLOCK_M, BLOCK_N, BLOCK_D, D, True, True, UPCAST, PRECISION)
+    dk, dv = _causal_dkdv_tiles(dk, dv, *args, near, tl.minimum(far, Tq), Tq, offset, stride_qt, stride_dot,
+                                scale_log2, BLOCK_M, BLOCK_N, BLOCK_D, D, True, False, UPCAST, PRECISION)
+    dk, dv = _causal_dkdv_tiles(dk, dv, *args, far, Tq, Tq, offset, stride_qt, stride_dot,
+                                scale_log2, BLOCK_M, BLOCK_N, BLOCK_D, D, False, False, UPCAST, PRECISION)
+    out = b * stride_dkb + h * stride_dkh + keys[:, None] * stride_dkt + offs_d[None, :]
     kv_mask = (keys[:, None] < Tk) & (offs_d[None, :] < D)
-    tl.store(DK + b * stride_kb + hk * stride_kh + keys[:, None] * stride_kt + offs_d[None, :],
-             (dk * scaling).to(DK.dtype.element_ty), mask=kv_mask)
-    tl.store(DV + b * stride_vb + hk * stride_vh + keys[:, None] * stride_vt + offs_d[None, :],
-             dv.to(DV.dtype.element_ty), mask=kv_mask)
+    tl.store(DK + out, (dk * scaling).to(DK.dtype.element_ty), mask=kv_mask)
+    tl.store(DV + out, dv.to(DV.dtype.element_ty), mask=kv_mask)
 
 # ---------------------------------------------------------------------------------------------------
 # Launchers
@@ -1088,9 +1088,15 @@ def _causal_backward(grad_out, query, key, value, dq, dk, dv, tau, distance_bias
                              dtype=torch.float32, device=query.device)
     launch(_lazy_causal_bwd_dq_kernel, "causal_dq", query_tiles, QSEG=q_seg, DELTA=delta, DQ=dq, DBIAS_PART=dbias_part,
            scaling=scaling)
+    groups = num_heads // kv_heads  # with GQA: float32 terms per query head, summed over each group below
+    dk_out, dv_out = (dk, dv) if groups == 1 else (
+        torch.empty(bsz, num_heads, k_len, dim, dtype=torch.float32, device=query.device) for _ in range(2))
     launch(_lazy_causal_bwd_dkdv_kernel, "causal_dkdv",
-           lambda block_m, block_n: (triton.cdiv(k_len, block_n), bsz * kv_heads), DELTA=delta, DK=dk, DV=dv,
-           Hkv=kv_heads, scaling=scaling)
+           lambda block_m, block_n: (triton.cdiv(k_len, block_n), bsz * num_heads), DELTA=delta, DK=dk_out,
+           DV=dv_out, **_strides("dk", dk_out), scaling=scaling)
+    if groups > 1:
+        dk.copy_(dk_out.view(bsz, kv_heads, groups, k_len, dim).sum(2))
+        dv.copy_(dv_out.view(bsz, kv_heads, groups, k_len, dim).sum(2))
     return dq, dk, dv, dtau_part.sum(dim=(0, 2)), dbias_part.sum(dim=(0, 2))
 
 
