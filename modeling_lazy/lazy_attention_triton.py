@@ -85,10 +85,10 @@ _CONFIGS = {
         ("dkdv", 128): (128, 32, 8, 2),
         ("causal_delta", 64): (128, 64, 8, 2),
         ("causal_delta", 128): (128, 64, 8, 2),
-        ("causal_dq", 64): (64, 64, 4, 2),
-        ("causal_dq", 128): (64, 64, 4, 2),
-        ("causal_dkdv", 64): (64, 64, 4, 2),
-        ("causal_dkdv", 128): (64, 64, 4, 2),
+        ("causal_dq", 64): (64, 64, 8, 2),
+        ("causal_dq", 128): (64, 32, 8, 2),
+        ("causal_dkdv", 64): (64, 64, 8, 2),
+        ("causal_dkdv", 128): (32, 64, 8, 2),
     },
     "sm80": {
         ("fwd", 64): (64, 64, 8, 2),
@@ -104,11 +104,11 @@ _CONFIGS = {
         ("dkdv", 64): (64, 32, 8, 2),
         ("dkdv", 128): (32, 64, 8, 2),
         ("causal_delta", 64): (64, 64, 4, 2),
-        ("causal_delta", 128): (64, 64, 8, 2),
-        ("causal_dq", 64): (64, 64, 4, 2),
-        ("causal_dq", 128): (64, 64, 4, 2),
-        ("causal_dkdv", 64): (64, 64, 4, 2),
-        ("causal_dkdv", 128): (64, 64, 4, 2),
+        ("causal_delta", 128): (64, 32, 8, 2),
+        ("causal_dq", 64): (64, 32, 8, 2),
+        ("causal_dq", 128): (64, 32, 8, 2),
+        ("causal_dkdv", 64): (64, 64, 8, 2),
+        ("causal_dkdv", 128): (32, 64, 8, 2),
     },
 }
 
@@ -676,19 +676,19 @@ def _causal_bwd_tile(x, y, band, start, diagonal, visible, lse2, threshold, scal
 
 
 @triton.jit
-def _diagonal_sums(t, BLOCK: tl.constexpr):
-    """`(near, wrapped)` `[B]` float32 sums of a square `[B, B]` tile along its diagonals: near[r] of the entries
-    with row - column = r, wrapped[r] of those with row - column = r - B."""
-    r = tl.arange(0, BLOCK)[:, None]
-    c = tl.arange(0, BLOCK)[None, :]
-    sheared = tl.gather(t, (r + c) % BLOCK, 0)  # sheared[r, c] = t[(r + c) mod B, c]
-    wrap = r + c >= BLOCK
+def _diagonal_sums(t, ROWS: tl.constexpr, COLS: tl.constexpr):
+    """`(near, wrapped)` `[ROWS]` float32 sums of a `[ROWS, COLS]` tile (COLS <= ROWS) along its diagonals: near[r]
+    of the entries with row - column = r, wrapped[r] of those with row - column = r - ROWS."""
+    r = tl.arange(0, ROWS)[:, None]
+    c = tl.arange(0, COLS)[None, :]
+    sheared = tl.gather(t, (r + c) % ROWS, 0)  # sheared[r, c] = t[(r + c) mod ROWS, c]
+    wrap = r + c >= ROWS
     return tl.sum(tl.where(wrap, 0.0, sheared), 1), tl.sum(tl.where(wrap, sheared, 0.0), 1)
 
 
 @triton.jit
 def _causal_bwd_query_tiles(q, do, lse2, threshold, delta, m_dp_sum, acc, carry, K, V, stride_kt, stride_vt, band,
-                            diagonal, q_key_idx, dbias_row, base, lo, hi, Tk, W, scale_log2,
+                            diagonal, q_key_idx, dbias_row, base, lo, hi, Tk, W, scale_log2, BLOCK_M: tl.constexpr,
                             BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, D: tl.constexpr, BIAS: tl.constexpr,
                             DIAGONAL: tl.constexpr, DQ: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
     """Key tiles [lo, hi) of one query tile. `DQ`: acc += dS @ K (delta given) and, with `BIAS`, the diagonal sums
@@ -707,10 +707,14 @@ def _causal_bwd_query_tiles(q, do, lse2, threshold, delta, m_dp_sum, acc, carry,
             ds = p * (dp - delta[:, None])
             acc = _dot(ds.to(k.dtype), k, UPCAST, PRECISION, acc)
             if BIAS:
-                near, wrapped = _diagonal_sums(ds, BLOCK_N)
-                dist = base - start_n + offs_n
-                tl.store(dbias_row + dist, near + carry, mask=(dist >= 0) & (dist < W))
-                carry = wrapped
+                near, wrapped = _diagonal_sums(ds, BLOCK_M, BLOCK_N)
+                dist = base - start_n + tl.arange(0, BLOCK_M)
+                if BLOCK_M == BLOCK_N:  # wrapped lands on the next key tile's near: carried, each distance stored once
+                    tl.store(dbias_row + dist, near + carry, mask=(dist >= 0) & (dist < W))
+                    carry = wrapped
+                else:  # tiles overlap in distance: two [BM] atomics per tile into the private row
+                    tl.atomic_add(dbias_row + dist, near, mask=(dist >= 0) & (dist < W))
+                    tl.atomic_add(dbias_row + dist - BLOCK_M, wrapped, mask=(dist >= BLOCK_M) & (dist - BLOCK_M < W))
         else:
             delta += tl.sum(p * dp, 1)
             m_dp_sum += tl.sum(dp, 1)
@@ -747,15 +751,15 @@ def _causal_bwd_query(Q, K, V, TAU, BAND, QPOS, QSEG, LSE, DO, DELTA, DBIAS_PART
     dbias_row = DBIAS_PART + (pid_bh.to(tl.int64) * tl.num_programs(0) + pid_m) * W
     args = (K_, V_, stride_kt, stride_vt, band, diagonal, q_key_idx, dbias_row, m0 + Tk - Tq)
     delta, m_dp_sum, acc, carry = _causal_bwd_query_tiles(q, do, lse2, threshold, delta, m_dp_sum, acc, carry, *args,
-                                                          0, far, Tk, W, scale_log2, BLOCK_N, BLOCK_D, D, False,
-                                                          False, DQ, UPCAST, PRECISION)
+                                                          0, far, Tk, W, scale_log2, BLOCK_M, BLOCK_N, BLOCK_D, D,
+                                                          False, False, DQ, UPCAST, PRECISION)
     delta, m_dp_sum, acc, carry = _causal_bwd_query_tiles(q, do, lse2, threshold, delta, m_dp_sum, acc, carry, *args,
-                                                          far, full, Tk, W, scale_log2, BLOCK_N, BLOCK_D, D, True,
-                                                          False, DQ, UPCAST, PRECISION)
+                                                          far, full, Tk, W, scale_log2, BLOCK_M, BLOCK_N, BLOCK_D, D,
+                                                          True, False, DQ, UPCAST, PRECISION)
     delta, m_dp_sum, acc, carry = _causal_bwd_query_tiles(q, do, lse2, threshold, delta, m_dp_sum, acc, carry, *args,
-                                                          full, hi, Tk, W, scale_log2, BLOCK_N, BLOCK_D, D, True,
-                                                          True, DQ, UPCAST, PRECISION)
-    if DQ:  # the last key tile's wrapped sums: the distances of the key tile after it
+                                                          full, hi, Tk, W, scale_log2, BLOCK_M, BLOCK_N, BLOCK_D, D,
+                                                          True, True, DQ, UPCAST, PRECISION)
+    if DQ and BLOCK_M == BLOCK_N:  # the last key tile's carried sums: the distances of the key tile after it
         dist = m0 + Tk - Tq - tl.cdiv(hi, BLOCK_N) * BLOCK_N + tl.arange(0, BLOCK_M)
         tl.store(dbias_row + dist, carry, mask=(dist >= 0) & (dist < W))
     return pid_m, pid_bh, b, h, rows, offs_d, row_mask, inv_n, delta, m_dp_sum, acc
@@ -788,7 +792,7 @@ def _lazy_causal_bwd_dq_kernel(Q, K, V, TAU, BAND, QPOS, QSEG, LSE, DO, DELTA, D
     """Causal fast path of `_lazy_bwd_dq_kernel`: dq_i = scaling sum_j dS_ij k_j, and the query tile's
     d distance_bias partial, a private float32 row of DBIAS_PART [B * Hq * cdiv(Tq, BM), W] (each distance stored
     once). Grid (cdiv(Tq, BM), B * Hq)."""
-    tl.static_assert(BLOCK_N == BLOCK_M)  # `_diagonal_sums` takes square tiles; the carry steps by BN
+    tl.static_assert(BLOCK_N <= BLOCK_M)  # `_diagonal_sums` wraps each column at most once
     _, _, b, h, rows, offs_d, row_mask, _, _, _, acc = _causal_bwd_query(
         Q, K, V, TAU, BAND, QPOS, QSEG, LSE, DO, DELTA, DBIAS_PART, stride_qb, stride_qh, stride_qt, stride_kb,
         stride_kh, stride_kt, stride_vb, stride_vh, stride_vt, stride_dob, stride_doh, stride_dot, Hq, Tq, Tk, W,
