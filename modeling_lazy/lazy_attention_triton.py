@@ -85,10 +85,10 @@ _CONFIGS = {
         ("dkdv", 128): (128, 32, 8, 2),
         ("causal_delta", 64): (128, 64, 8, 2),
         ("causal_delta", 128): (128, 64, 8, 2),
-        ("causal_dq", 64): (64, 64, 8, 2),
-        ("causal_dq", 128): (64, 32, 8, 2),
-        ("causal_dkdv", 64): (64, 64, 8, 2),
-        ("causal_dkdv", 128): (32, 64, 8, 2),
+        ("causal_dq", 64): (128, 64, 8, 2),
+        ("causal_dq", 128): (128, 32, 8, 2),
+        ("causal_dkdv", 64): (64, 64, 4, 2),
+        ("causal_dkdv", 128): (32, 128, 8, 2),
     },
     "sm80": {
         ("fwd", 64): (64, 64, 8, 2),
@@ -648,14 +648,13 @@ def _lazy_bwd_dkdv_kernel(Q, K, V, TAU, BIAS, QPOS, KPOS, QSEG, KSEG, LSE, DELTA
 # no per-key metadata, unconditional (pipelined) loads. Dense: no tile skipping.
 #     _lazy_causal_bwd_delta_kernel   Delta_i = sum_j m p dP and the d tau partials, per query tile
 #     _lazy_causal_bwd_dq_kernel      dq and the d distance_bias partials, per query tile
-#     _lazy_causal_bwd_dkdv_kernel    dk, dv per key tile (GQA: the query heads of one KV head) on transposed
-#                                     tiles, query tiles in two ranges: at the causal limit, then the rest
-# d distance_bias, in the dq kernel (square tiles, BM = BN): a (query tile, key tile) pair holds the distances
+#     _lazy_causal_bwd_dkdv_kernel    dk, dv terms per key tile and query head (GQA: summed by the launcher) on
+#                                     transposed tiles; query tiles at the causal limit, in the window, beyond it
+# d distance_bias, in the dq kernel: a (query tile, key tile) pair holds only BM + BN - 1 distances,
 # base + (r - c) (base = m0 + offset - n0). `_diagonal_sums` shears the dS tile (row r + c mod BM of column c) so
-# that each row of the result holds one diagonal, or (wrapped entries) the diagonal BM below it; the wrapped sums
-# of key tile n0 land on the distances of the unwrapped ones of key tile n0 + BN, so the kernel carries them in
-# registers to the next key tile and stores every distance of its private row once: no atomics. Key tiles beyond
-# the window have no bias and no bias gradient.
+# that each row of the result holds one diagonal, or (wrapped entries) the diagonal BM below it: two [BM] float32
+# atomics per tile into the query tile's private row instead of one per score. Key tiles beyond the window have
+# no bias and no bias gradient.
 # ---------------------------------------------------------------------------------------------------
 
 _LOG2E = tl.constexpr(LOG2E)
@@ -687,13 +686,13 @@ def _diagonal_sums(t, ROWS: tl.constexpr, COLS: tl.constexpr):
 
 
 @triton.jit
-def _causal_bwd_query_tiles(q, do, lse2, threshold, delta, m_dp_sum, acc, carry, K, V, stride_kt, stride_vt, band,
+def _causal_bwd_query_tiles(q, do, lse2, threshold, delta, m_dp_sum, acc, K, V, stride_kt, stride_vt, band,
                             diagonal, q_key_idx, dbias_row, base, lo, hi, Tk, W, scale_log2, BLOCK_M: tl.constexpr,
                             BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, D: tl.constexpr, BIAS: tl.constexpr,
                             DIAGONAL: tl.constexpr, DQ: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
     """Key tiles [lo, hi) of one query tile. `DQ`: acc += dS @ K (delta given) and, with `BIAS`, the diagonal sums
-    of dS into the private bias row at distances base - start_n + r (`carry`: the wrapped sums, for the next key
-    tile). Otherwise the row sums delta += sum_j m p dP and m_dp_sum += sum_j m dP."""
+    of dS into the private bias row at distances base - start_n + r (near) and that - BM (wrapped). Otherwise the
+    row sums delta += sum_j m p dP and m_dp_sum += sum_j m dP."""
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     for start_n in range(lo, hi, BLOCK_N):
@@ -706,19 +705,15 @@ def _causal_bwd_query_tiles(q, do, lse2, threshold, delta, m_dp_sum, acc, carry,
         if DQ:
             ds = p * (dp - delta[:, None])
             acc = _dot(ds.to(k.dtype), k, UPCAST, PRECISION, acc)
-            if BIAS:
+            if BIAS:  # two [BM] atomics per tile, into the program's private row
                 near, wrapped = _diagonal_sums(ds, BLOCK_M, BLOCK_N)
                 dist = base - start_n + tl.arange(0, BLOCK_M)
-                if BLOCK_M == BLOCK_N:  # wrapped lands on the next key tile's near: carried, each distance stored once
-                    tl.store(dbias_row + dist, near + carry, mask=(dist >= 0) & (dist < W))
-                    carry = wrapped
-                else:  # tiles overlap in distance: two [BM] atomics per tile into the private row
-                    tl.atomic_add(dbias_row + dist, near, mask=(dist >= 0) & (dist < W))
-                    tl.atomic_add(dbias_row + dist - BLOCK_M, wrapped, mask=(dist >= BLOCK_M) & (dist - BLOCK_M < W))
+                tl.atomic_add(dbias_row + dist, near, mask=(dist >= 0) & (dist < W))
+                tl.atomic_add(dbias_row + dist - BLOCK_M, wrapped, mask=(dist >= BLOCK_M) & (dist - BLOCK_M < W))
         else:
             delta += tl.sum(p * dp, 1)
             m_dp_sum += tl.sum(dp, 1)
-    return delta, m_dp_sum, acc, carry
+    return delta, m_dp_sum, acc
 
 
 @triton.jit
@@ -747,21 +742,17 @@ def _causal_bwd_query(Q, K, V, TAU, BAND, QPOS, QSEG, LSE, DO, DELTA, DBIAS_PART
         delta = tl.zeros([BLOCK_M], tl.float32)
     m_dp_sum = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    carry = tl.zeros([BLOCK_M], tl.float32)
     dbias_row = DBIAS_PART + (pid_bh.to(tl.int64) * tl.num_programs(0) + pid_m) * W
     args = (K_, V_, stride_kt, stride_vt, band, diagonal, q_key_idx, dbias_row, m0 + Tk - Tq)
-    delta, m_dp_sum, acc, carry = _causal_bwd_query_tiles(q, do, lse2, threshold, delta, m_dp_sum, acc, carry, *args,
-                                                          0, far, Tk, W, scale_log2, BLOCK_M, BLOCK_N, BLOCK_D, D,
-                                                          False, False, DQ, UPCAST, PRECISION)
-    delta, m_dp_sum, acc, carry = _causal_bwd_query_tiles(q, do, lse2, threshold, delta, m_dp_sum, acc, carry, *args,
-                                                          far, full, Tk, W, scale_log2, BLOCK_M, BLOCK_N, BLOCK_D, D,
-                                                          True, False, DQ, UPCAST, PRECISION)
-    delta, m_dp_sum, acc, carry = _causal_bwd_query_tiles(q, do, lse2, threshold, delta, m_dp_sum, acc, carry, *args,
-                                                          full, hi, Tk, W, scale_log2, BLOCK_M, BLOCK_N, BLOCK_D, D,
-                                                          True, True, DQ, UPCAST, PRECISION)
-    if DQ and BLOCK_M == BLOCK_N:  # the last key tile's carried sums: the distances of the key tile after it
-        dist = m0 + Tk - Tq - tl.cdiv(hi, BLOCK_N) * BLOCK_N + tl.arange(0, BLOCK_M)
-        tl.store(dbias_row + dist, carry, mask=(dist >= 0) & (dist < W))
+    delta, m_dp_sum, acc = _causal_bwd_query_tiles(q, do, lse2, threshold, delta, m_dp_sum, acc, *args,
+                                                   0, far, Tk, W, scale_log2, BLOCK_M, BLOCK_N, BLOCK_D, D,
+                                                   False, False, DQ, UPCAST, PRECISION)
+    delta, m_dp_sum, acc = _causal_bwd_query_tiles(q, do, lse2, threshold, delta, m_dp_sum, acc, *args,
+                                                   far, full, Tk, W, scale_log2, BLOCK_M, BLOCK_N, BLOCK_D, D,
+                                                   True, False, DQ, UPCAST, PRECISION)
+    delta, m_dp_sum, acc = _causal_bwd_query_tiles(q, do, lse2, threshold, delta, m_dp_sum, acc, *args,
+                                                   full, hi, Tk, W, scale_log2, BLOCK_M, BLOCK_N, BLOCK_D, D,
+                                                   True, True, DQ, UPCAST, PRECISION)
     return pid_m, pid_bh, b, h, rows, offs_d, row_mask, inv_n, delta, m_dp_sum, acc
 
 
@@ -790,8 +781,8 @@ def _lazy_causal_bwd_dq_kernel(Q, K, V, TAU, BAND, QPOS, QSEG, LSE, DO, DELTA, D
                                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                                D: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
     """Causal fast path of `_lazy_bwd_dq_kernel`: dq_i = scaling sum_j dS_ij k_j, and the query tile's
-    d distance_bias partial, a private float32 row of DBIAS_PART [B * Hq * cdiv(Tq, BM), W] (each distance stored
-    once). Grid (cdiv(Tq, BM), B * Hq)."""
+    d distance_bias partial, a private float32 row of DBIAS_PART [B * Hq * cdiv(Tq, BM), W] (which
+    no other program adds to). Grid (cdiv(Tq, BM), B * Hq)."""
     tl.static_assert(BLOCK_N <= BLOCK_M)  # `_diagonal_sums` wraps each column at most once
     _, _, b, h, rows, offs_d, row_mask, _, _, _, acc = _causal_bwd_query(
         Q, K, V, TAU, BAND, QPOS, QSEG, LSE, DO, DELTA, DBIAS_PART, stride_qb, stride_qh, stride_qt, stride_kb,

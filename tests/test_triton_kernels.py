@@ -282,8 +282,7 @@ def causal_fast_path(kernels):
     """The causal fast path, forward and backward (plain causal metadata), against the float64 reference: windows
     short enough for all three key ranges (beyond the window, inside it, at the causal limit) and longer than the
     sequence, odd lengths, GQA, tau of both signs, D 64 and 128, a chunked prefill after cached keys (key offset),
-    and both block tables (the dq kernel's square tiles carry the bias-gradient diagonals, its other tiles add
-    them with atomics)."""
+    and both block tables."""
     calls = []
     forward, backward, family = kernels._causal_forward, kernels._causal_backward, kernels._gpu_family
     kernels._causal_forward = lambda *args: calls.append("forward") or forward(*args)
