@@ -23,6 +23,9 @@ Kernels, in data-flow order:
     _lazy_bwd_dq_kernel        dq, FlashAttention-2 style with the elastic-softmax dS
     _lazy_bwd_dkdv_kernel      dk, dv (GQA: loops over the query heads of one KV head, never repeats K/V)
                                and per-tile d distance_bias partials
+    _lazy_causal_bwd_delta_kernel / _lazy_causal_bwd_dq_kernel / _lazy_causal_bwd_dkdv_kernel
+                               the backward's causal fast path (after the causal forward), built like it; the
+                               dq kernel also reduces d distance_bias along the diagonals of each dS tile
 Then the launchers, the `autograd.Function`, and the public `lazy_attention_triton`.
 
 Block skipping: a key tile with no visible entry for the query tile (other document, padding, beyond the
@@ -450,7 +453,7 @@ def _lazy_causal_fwd_kernel(Q, K, V, TAU, BAND, QPOS, OUT, LSE,
     m_i, l_i = _causal_lse_tiles(q, m_i, l_i, K_, stride_kt, band_qk, diagonal, full, hi, Tk, scale_log2,
                                  BLOCK_N, BLOCK_D, D, True, True, UPCAST, PRECISION)
     # a row whose scores are all -inf has no normaliser: p = 0 on every key and no weight (threshold 0 here; the
-    # stored LSE is DEAD_ROW_LSE, which the general backward recognises)
+    # stored LSE is DEAD_ROW_LSE, which both backwards recognise)
     alive = l_i > 0.0
     lse2 = tl.where(alive, m_i + tl.log2(tl.where(alive, l_i, 1.0)), float("inf"))
     threshold = tl.where(alive, tl.load(TAU + h) / (q_pos + 1).to(tl.float32), 0.0)
