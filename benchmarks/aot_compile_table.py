@@ -51,7 +51,7 @@ def load_kernels():
 @dataclass(frozen=True)
 class Build:
     kernel: str  # kernel function name in the module
-    kind: str  # fwd | decode | dq | dkdv (selects blocks and warps like the launchers do)
+    kind: str  # a `_CONFIGS` key: fwd | causal_fwd | decode | delta | dq | dkdv | causal_dq ... (blocks, warps)
     dtype: torch.dtype
     head_dim: int
     arch: int
@@ -79,7 +79,10 @@ def shipped_builds(dtypes=(torch.bfloat16, torch.float16, torch.float32)) -> lis
                            Build("_lazy_decode_out_kernel", "packed_decode", dtype, dim, arch, page_size=16),
                            Build("_lazy_bwd_delta_kernel", "delta", dtype, dim, arch),
                            Build("_lazy_bwd_dq_kernel", "dq", dtype, dim, arch),
-                           Build("_lazy_bwd_dkdv_kernel", "dkdv", dtype, dim, arch)]
+                           Build("_lazy_bwd_dkdv_kernel", "dkdv", dtype, dim, arch),
+                           Build("_lazy_causal_bwd_delta_kernel", "causal_delta", dtype, dim, arch),
+                           Build("_lazy_causal_bwd_dq_kernel", "causal_dq", dtype, dim, arch),
+                           Build("_lazy_causal_bwd_dkdv_kernel", "causal_dkdv", dtype, dim, arch)]
     return builds
 
 

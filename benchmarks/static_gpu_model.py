@@ -392,6 +392,33 @@ def _lazy_causal_fwd_work(p: Problem, blocks, sms):
     return Work(bh * len(ranges), per_loop * 2, qkvo + 4 * bh * p.length, (bm, bn))
 
 
+def _lazy_causal_bwd_query_work(p: Problem, blocks, sms, writes_dq: bool):
+    """Causal Delta / dq kernels: one query tile per program, the forward's three key ranges."""
+    bm, bn = blocks
+    ranges = [_causal_ranges(p, m * bm, bm, bn) for m in range(_cdiv(p.length, bm))]
+    bh = p.batch * p.heads
+    elements = bh * p.length * p.dim * (3 if writes_dq else 2) + 2 * p.batch * p.kv_heads * p.length * p.dim
+    return Work(bh * len(ranges), [bh * sum(r[i] for r in ranges) for i in range(3)], _bytes(elements), (bm, bn))
+
+
+def _lazy_causal_dkdv_work(p: Problem, blocks, sms):
+    """Causal dk/dv: one key tile of one query head per program; query tiles at the causal limit, inside the bias
+    window, beyond it (`_lazy_causal_bwd_dkdv_kernel`'s bounds)."""
+    bm, bn = blocks
+    loops = [0, 0, 0]
+    for n in range(_cdiv(p.length, bn)):
+        n0 = n * bn
+        start = n0 // bm * bm
+        near = max(start, _cdiv(n0 + bn - 1, bm) * bm)
+        far = max(near, _cdiv(n0 + bn - 1 + p.window, bm) * bm)
+        bounds = (start, min(near, p.length), near, min(far, p.length), far, p.length)
+        for i in range(3):
+            loops[i] += max(0, _cdiv(bounds[2 * i + 1] - bounds[2 * i], bm))
+    bh = p.batch * p.heads
+    elements = 2 * bh * p.length * p.dim + 4 * p.batch * p.kv_heads * p.length * p.dim
+    return Work(bh * _cdiv(p.length, bn), [bh * n for n in loops], _bytes(elements), (bn, bm))
+
+
 def _lazy_decode_work(p: Problem, blocks, sms):
     """`_lazy_fwd_kernel` with the decode blocks - pass 1 reads K, pass 2 re-reads K and V.
 
@@ -516,6 +543,12 @@ LAZY_FAST = {
                              _lazy_decode_lse_work),
     "decode_out": KernelSpec("lazy packed decode pass 2", "lazy", "_lazy_decode_out_kernel", "packed_decode",
                              _lazy_decode_out_work),
+    "delta": KernelSpec("lazy bwd Delta (causal)", "lazy", "_lazy_causal_bwd_delta_kernel", "causal_delta",
+                        partial(_lazy_causal_bwd_query_work, writes_dq=False)),
+    "dq": KernelSpec("lazy bwd dq (causal)", "lazy", "_lazy_causal_bwd_dq_kernel", "causal_dq",
+                     partial(_lazy_causal_bwd_query_work, writes_dq=True)),
+    "dkdv": KernelSpec("lazy bwd dk/dv (causal)", "lazy", "_lazy_causal_bwd_dkdv_kernel", "causal_dkdv",
+                       _lazy_causal_dkdv_work),
 }
 FA2 = {
     "fwd": KernelSpec("FA2-style fwd", "fa2", "_fa2_fwd_kernel", "fwd", _fa2_fwd_work),

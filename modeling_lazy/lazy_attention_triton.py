@@ -27,6 +27,9 @@ Kernels, in data-flow order:
     _lazy_bwd_dq_kernel        dq, FlashAttention-2 style with the elastic-softmax dS
     _lazy_bwd_dkdv_kernel      dk, dv (GQA: loops over the query heads of one KV head, never repeats K/V)
                                and per-tile d distance_bias partials
+    _lazy_causal_bwd_delta_kernel / _lazy_causal_bwd_dq_kernel / _lazy_causal_bwd_dkdv_kernel
+                               the backward's causal fast path (after the causal forward), built like it; the
+                               dq kernel also reduces d distance_bias along the diagonals of each dS tile
 Then the launchers, the `autograd.Function`, the public `lazy_attention_triton` and
 `lazy_attention_triton_paged_decode` (one token per request against vLLM's paged cache).
 
@@ -90,6 +93,12 @@ _CONFIGS = {
         ("dq", 128): (64, 64, 8, 2),
         ("dkdv", 64): (128, 32, 8, 2),
         ("dkdv", 128): (128, 32, 8, 2),
+        ("causal_delta", 64): (128, 64, 8, 2),
+        ("causal_delta", 128): (128, 64, 8, 2),
+        ("causal_dq", 64): (128, 64, 8, 2),
+        ("causal_dq", 128): (128, 32, 8, 2),
+        ("causal_dkdv", 64): (64, 64, 4, 2),
+        ("causal_dkdv", 128): (32, 128, 8, 2),
     },
     "sm80": {
         ("fwd", 64): (64, 64, 8, 2),
@@ -106,6 +115,12 @@ _CONFIGS = {
         ("dq", 128): (64, 32, 8, 2),
         ("dkdv", 64): (64, 32, 8, 2),
         ("dkdv", 128): (32, 64, 8, 2),
+        ("causal_delta", 64): (64, 64, 4, 2),
+        ("causal_delta", 128): (64, 32, 8, 2),
+        ("causal_dq", 64): (64, 32, 8, 2),
+        ("causal_dq", 128): (64, 32, 8, 2),
+        ("causal_dkdv", 64): (64, 64, 8, 2),
+        ("causal_dkdv", 128): (32, 64, 8, 2),
     },
 }
 
@@ -448,7 +463,7 @@ def _lazy_causal_fwd_kernel(Q, K, V, TAU, BAND, QPOS, OUT, LSE,
     m_i, l_i = _causal_lse_tiles(q, m_i, l_i, K_, stride_kt, band_qk, diagonal, full, hi, Tk, scale_log2,
                                  BLOCK_N, BLOCK_D, D, True, True, UPCAST, PRECISION)
     # a row whose scores are all -inf has no normaliser: p = 0 on every key and no weight (threshold 0 here; the
-    # stored LSE is DEAD_ROW_LSE, which the general backward recognises)
+    # stored LSE is DEAD_ROW_LSE, which both backwards recognise)
     alive = l_i > 0.0
     lse2 = tl.where(alive, m_i + tl.log2(tl.where(alive, l_i, 1.0)), float("inf"))
     threshold = tl.where(alive, tl.load(TAU + h) / (q_pos + 1).to(tl.float32), 0.0)
@@ -785,6 +800,227 @@ def _lazy_bwd_dkdv_kernel(Q, K, V, TAU, BIAS, QPOS, KPOS, QSEG, KSEG, LSE, DELTA
 
 
 # ---------------------------------------------------------------------------------------------------
+# Causal fast path, backward (the forward took `_lazy_causal_fwd_kernel`). Same key ranges, band and exp2 as the
+# forward: p = exp2(s - LSE_i log2(e)) with the stored natural-unit LSE, loop bounds instead of visibility tests,
+# no per-key metadata, unconditional (pipelined) loads. Dense: no tile skipping.
+#     _lazy_causal_bwd_delta_kernel   Delta_i = sum_j m p dP and the d tau partials, per query tile
+#     _lazy_causal_bwd_dq_kernel      dq and the d distance_bias partials, per query tile
+#     _lazy_causal_bwd_dkdv_kernel    dk, dv terms per key tile and query head (GQA: summed by the launcher) on
+#                                     transposed tiles; query tiles at the causal limit, in the window, beyond it
+# d distance_bias, in the dq kernel: a (query tile, key tile) pair holds only BM + BN - 1 distances,
+# base + (r - c) (base = m0 + offset - n0). `_diagonal_sums` shears the dS tile (row r + c mod BM of column c) so
+# that each row of the result holds one diagonal, or (wrapped entries) the diagonal BM below it: two [BM] float32
+# atomics per tile into the query tile's private row instead of one per score. Key tiles beyond the window have
+# no bias and no bias gradient.
+# ---------------------------------------------------------------------------------------------------
+
+_LOG2E = tl.constexpr(LOG2E)
+
+
+@triton.jit
+def _causal_bwd_tile(x, y, band, start, diagonal, visible, lse2, threshold, scale_log2,
+                     BIAS: tl.constexpr, DIAGONAL: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    """`(p, m)` of one (query tile, key tile) pair from `x y^T`: `[BM, BN]` from (q, k) with `lse2`, `threshold` as
+    `[BM, 1]`, or transposed, `[BN, BM]` from (k, q) with them as `[1, BM]`. `DIAGONAL` tiles clear m where not
+    `visible` (p is already 0 there from the band's -inf, but with tau > 0 p + tau/n > 0)."""
+    s = _causal_scores(x, y, band, start, diagonal, scale_log2, BIAS, False, UPCAST, PRECISION)
+    p = tl.exp2(s - lse2)
+    alive = p + threshold > 0.0  # float32 threshold test
+    if DIAGONAL:
+        alive = alive & visible
+    return p, alive
+
+
+@triton.jit
+def _diagonal_sums(t, ROWS: tl.constexpr, COLS: tl.constexpr):
+    """`(near, wrapped)` `[ROWS]` float32 sums of a `[ROWS, COLS]` tile (COLS <= ROWS) along its diagonals: near[r]
+    of the entries with row - column = r, wrapped[r] of those with row - column = r - ROWS."""
+    r = tl.arange(0, ROWS)[:, None]
+    c = tl.arange(0, COLS)[None, :]
+    sheared = tl.gather(t, (r + c) % ROWS, 0)  # sheared[r, c] = t[(r + c) mod ROWS, c]
+    wrap = r + c >= ROWS
+    return tl.sum(tl.where(wrap, 0.0, sheared), 1), tl.sum(tl.where(wrap, sheared, 0.0), 1)
+
+
+@triton.jit
+def _causal_bwd_query_tiles(q, do, lse2, threshold, delta, m_dp_sum, acc, K, V, stride_kt, stride_vt, band,
+                            diagonal, q_key_idx, dbias_row, base, lo, hi, Tk, W, scale_log2, BLOCK_M: tl.constexpr,
+                            BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, D: tl.constexpr, BIAS: tl.constexpr,
+                            DIAGONAL: tl.constexpr, DQ: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    """Key tiles [lo, hi) of one query tile. `DQ`: acc += dS @ K (delta given) and, with `BIAS`, the diagonal sums
+    of dS into the private bias row at distances base - start_n + r (near) and that - BM (wrapped). Otherwise the
+    row sums delta += sum_j m p dP and m_dp_sum += sum_j m dP."""
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    for start_n in range(lo, hi, BLOCK_N):
+        keys = start_n + offs_n
+        k = _load_keys(K, stride_kt, keys, offs_d, Tk, D, BLOCK_D, DIAGONAL)
+        v = _load_keys(V, stride_vt, keys, offs_d, Tk, D, BLOCK_D, DIAGONAL)
+        p, alive = _causal_bwd_tile(q, k, band, start_n, diagonal, keys[None, :] <= q_key_idx[:, None],
+                                    lse2[:, None], threshold[:, None], scale_log2, BIAS, DIAGONAL, UPCAST, PRECISION)
+        dp = tl.where(alive, _dot(do, tl.trans(v), UPCAST, PRECISION), 0.0)
+        if DQ:
+            ds = p * (dp - delta[:, None])
+            acc = _dot(ds.to(k.dtype), k, UPCAST, PRECISION, acc)
+            if BIAS:  # two [BM] atomics per tile, into the program's private row
+                near, wrapped = _diagonal_sums(ds, BLOCK_M, BLOCK_N)
+                dist = base - start_n + tl.arange(0, BLOCK_M)
+                tl.atomic_add(dbias_row + dist, near, mask=(dist >= 0) & (dist < W))
+                tl.atomic_add(dbias_row + dist - BLOCK_M, wrapped, mask=(dist >= BLOCK_M) & (dist - BLOCK_M < W))
+        else:
+            delta += tl.sum(p * dp, 1)
+            m_dp_sum += tl.sum(dp, 1)
+    return delta, m_dp_sum, acc
+
+
+@triton.jit
+def _causal_bwd_query(Q, K, V, TAU, BAND, QPOS, QSEG, LSE, DO, DELTA, DBIAS_PART,
+                      stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt,
+                      stride_vb, stride_vh, stride_vt, stride_dob, stride_doh, stride_dot,
+                      Hq, Tq, Tk, W, GROUPS, BAND_LEN, scale_log2,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, D: tl.constexpr,
+                      DQ: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    """Body of the Delta (`DQ` False) and dq kernels: one query tile of one query head over its key tiles in the
+    forward's three ranges. Returns the tile's prologue values and `(delta, m_dp_sum, acc)`."""
+    pid_m, pid_bh, b, h, hk, rows, offs_d, row_mask, q, do, q_pos, _, lse, inv_n, threshold, _ = _bwd_query_tile(
+        Q, DO, TAU, QPOS, QSEG, LSE, stride_qb, stride_qh, stride_qt, stride_dob, stride_doh, stride_dot,
+        Hq, Tq, Tk, GROUPS, BLOCK_M, BLOCK_D, D)
+    m0 = pid_m * BLOCK_M
+    far, full, hi = _causal_key_ranges(m0, Tq, Tk, W, BLOCK_M, BLOCK_N)
+    K_ = K + b * stride_kb + hk * stride_kh
+    V_ = V + b * stride_vb + hk * stride_vh
+    band = BAND + h * BAND_LEN + (BLOCK_M + BLOCK_N) + m0 + Tk - Tq  # band of distance m0 + offset - start_n
+    diagonal = tl.arange(0, BLOCK_M)[:, None] - tl.arange(0, BLOCK_N)[None, :]
+    q_key_idx = rows + Tk - Tq
+    lse2 = lse * _LOG2E  # a dead row's DEAD_ROW_LSE becomes +inf: p = 0 (and its threshold is -1e30)
+    if DQ:
+        delta = tl.load(DELTA + pid_bh.to(tl.int64) * Tq + rows, mask=row_mask, other=0.0)
+    else:
+        delta = tl.zeros([BLOCK_M], tl.float32)
+    m_dp_sum = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    dbias_row = DBIAS_PART + (pid_bh.to(tl.int64) * tl.num_programs(0) + pid_m) * W
+    args = (K_, V_, stride_kt, stride_vt, band, diagonal, q_key_idx, dbias_row, m0 + Tk - Tq)
+    delta, m_dp_sum, acc = _causal_bwd_query_tiles(q, do, lse2, threshold, delta, m_dp_sum, acc, *args,
+                                                   0, far, Tk, W, scale_log2, BLOCK_M, BLOCK_N, BLOCK_D, D,
+                                                   False, False, DQ, UPCAST, PRECISION)
+    delta, m_dp_sum, acc = _causal_bwd_query_tiles(q, do, lse2, threshold, delta, m_dp_sum, acc, *args,
+                                                   far, full, Tk, W, scale_log2, BLOCK_M, BLOCK_N, BLOCK_D, D,
+                                                   True, False, DQ, UPCAST, PRECISION)
+    delta, m_dp_sum, acc = _causal_bwd_query_tiles(q, do, lse2, threshold, delta, m_dp_sum, acc, *args,
+                                                   full, hi, Tk, W, scale_log2, BLOCK_M, BLOCK_N, BLOCK_D, D,
+                                                   True, True, DQ, UPCAST, PRECISION)
+    return pid_m, pid_bh, b, h, rows, offs_d, row_mask, inv_n, delta, m_dp_sum, acc
+
+
+@triton.jit
+def _lazy_causal_bwd_delta_kernel(Q, K, V, TAU, BAND, QPOS, QSEG, LSE, DO, DELTA, DTAU_PART,
+                                  stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt,
+                                  stride_vb, stride_vh, stride_vt, stride_dob, stride_doh, stride_dot,
+                                  Hq, Tq, Tk, W, GROUPS, BAND_LEN, scale_log2,
+                                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                                  D: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    """Causal fast path of `_lazy_bwd_delta_kernel`: Delta_i and the tile's d tau partial. Grid (cdiv(Tq, BM), B*Hq)."""
+    pid_m, pid_bh, _, _, rows, _, row_mask, inv_n, delta, m_dp_sum, _ = _causal_bwd_query(
+        Q, K, V, TAU, BAND, QPOS, QSEG, LSE, DO, DELTA, DELTA, stride_qb, stride_qh, stride_qt, stride_kb, stride_kh,
+        stride_kt, stride_vb, stride_vh, stride_vt, stride_dob, stride_doh, stride_dot, Hq, Tq, Tk, W, GROUPS,
+        BAND_LEN, scale_log2, BLOCK_M, BLOCK_N, BLOCK_D, D, False, UPCAST, PRECISION)
+    tl.store(DELTA + pid_bh.to(tl.int64) * Tq + rows, delta, mask=row_mask)
+    tl.store(DTAU_PART + pid_bh.to(tl.int64) * tl.num_programs(0) + pid_m,
+             tl.sum(tl.where(row_mask, m_dp_sum * inv_n, 0.0), 0))
+
+
+@triton.jit
+def _lazy_causal_bwd_dq_kernel(Q, K, V, TAU, BAND, QPOS, QSEG, LSE, DO, DELTA, DQ, DBIAS_PART,
+                               stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt,
+                               stride_vb, stride_vh, stride_vt, stride_dob, stride_doh, stride_dot,
+                               Hq, Tq, Tk, W, GROUPS, BAND_LEN, scale_log2, scaling,
+                               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                               D: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    """Causal fast path of `_lazy_bwd_dq_kernel`: dq_i = scaling sum_j dS_ij k_j, and the query tile's
+    d distance_bias partial, a private float32 row of DBIAS_PART [B * Hq * cdiv(Tq, BM), W] (which
+    no other program adds to). Grid (cdiv(Tq, BM), B * Hq)."""
+    tl.static_assert(BLOCK_N <= BLOCK_M)  # `_diagonal_sums` wraps each column at most once
+    _, _, b, h, rows, offs_d, row_mask, _, _, _, acc = _causal_bwd_query(
+        Q, K, V, TAU, BAND, QPOS, QSEG, LSE, DO, DELTA, DBIAS_PART, stride_qb, stride_qh, stride_qt, stride_kb,
+        stride_kh, stride_kt, stride_vb, stride_vh, stride_vt, stride_dob, stride_doh, stride_dot, Hq, Tq, Tk, W,
+        GROUPS, BAND_LEN, scale_log2, BLOCK_M, BLOCK_N, BLOCK_D, D, True, UPCAST, PRECISION)
+    tl.store(DQ + b * stride_qb + h * stride_qh + rows[:, None] * stride_qt + offs_d[None, :],
+             (acc * scaling).to(DQ.dtype.element_ty), mask=row_mask[:, None] & (offs_d[None, :] < D))
+
+
+@triton.jit
+def _causal_dkdv_tiles(dk, dv, k, v, Q, DO, QPOS, LSE, DELTA, band, tau_h, n0, lo, hi, Tq, offset, stride_qt,
+                       stride_dot, scale_log2, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                       D: tl.constexpr, BIAS: tl.constexpr, DIAGONAL: tl.constexpr, UPCAST: tl.constexpr,
+                       PRECISION: tl.constexpr):
+    """Query tiles [lo, hi) (step BM) of one key tile and one query head, on transposed `[BN, BM]` tiles:
+    dk += dS^T Q, dv += a^T dO. Rows past Tq (last tile) read row Tq - 1 instead of masking (masked tile loads
+    cost registers); their dead-row LSE makes p = 0 and m = 0, so they add nothing."""
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    keys = n0 + tl.arange(0, BLOCK_N)
+    diagonal = offs_m[None, :] - tl.arange(0, BLOCK_N)[:, None]  # [BN, BM] row (query) - column (key)
+    for start_m in range(lo, hi, BLOCK_M):
+        rows = start_m + offs_m
+        rows_in = tl.minimum(rows, Tq - 1)
+        q = _load_keys(Q, stride_qt, rows_in, offs_d, Tq, D, BLOCK_D, False)
+        do = _load_keys(DO, stride_dot, rows_in, offs_d, Tq, D, BLOCK_D, False)
+        lse = tl.load(LSE + rows, mask=rows < Tq, other=_DEAD_ROW_LSE)
+        threshold = _row_threshold(tau_h, tl.load(QPOS + rows_in), lse)[None, :]
+        p, alive = _causal_bwd_tile(k, q, band + start_m, n0, diagonal, keys[:, None] <= (rows + offset)[None, :],
+                                    (lse * _LOG2E)[None, :], threshold, scale_log2, BIAS, DIAGONAL, UPCAST, PRECISION)
+        dv = _dot(tl.where(alive, p + threshold, 0.0).to(do.dtype), do, UPCAST, PRECISION, dv)
+        dp = tl.where(alive, _dot(v, tl.trans(do), UPCAST, PRECISION), 0.0)
+        dk = _dot((p * (dp - tl.load(DELTA + rows_in)[None, :])).to(q.dtype), q, UPCAST, PRECISION, dk)
+    return dk, dv
+
+
+@triton.jit
+def _lazy_causal_bwd_dkdv_kernel(Q, K, V, TAU, BAND, QPOS, LSE, DELTA, DO, DK, DV,
+                                 stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt,
+                                 stride_vb, stride_vh, stride_vt, stride_dob, stride_doh, stride_dot,
+                                 stride_dkb, stride_dkh, stride_dkt, Hq, Tq, Tk, W, GROUPS, BAND_LEN, scale_log2,
+                                 scaling, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                                 D: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    """Causal fast path of `_lazy_bwd_dkdv_kernel`: the dk, dv terms of one key tile from one query head (the bias
+    gradient comes from the dq kernel). DK, DV `[B, Hq, Tk, D]` (strides `stride_dk*`): the gradients themselves
+    without GQA, float32 per-query-head terms the launcher sums over each group with it (a loop over the group
+    here would keep every loop's invariants live at once: spills). Grid: (cdiv(Tk, BN), B * Hq)."""
+    pid_n = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // Hq).to(tl.int64)
+    h = (pid_bh % Hq).to(tl.int64)
+    hk = h // GROUPS
+    n0 = pid_n * BLOCK_N
+    offs_d = tl.arange(0, BLOCK_D)
+    keys = n0 + tl.arange(0, BLOCK_N)
+    k = _load_rows(K + b * stride_kb + hk * stride_kh, stride_kt, keys, offs_d, Tk, D)
+    v = _load_rows(V + b * stride_vb + hk * stride_vh, stride_vt, keys, offs_d, Tk, D)
+    offset = Tk - Tq
+    # query tiles: [start, near) cross the causal limit, [near, far) see the whole key tile inside the bias window,
+    # [far, Tq) see it entirely at distances >= W (min distance m0 + offset - (n0 + BN - 1))
+    start = tl.maximum(n0 - offset, 0) // BLOCK_M * BLOCK_M
+    near = tl.maximum(start, tl.cdiv(tl.maximum(n0 + BLOCK_N - 1 - offset, 0), BLOCK_M) * BLOCK_M)
+    far = tl.maximum(near, tl.cdiv(tl.maximum(n0 + BLOCK_N - 1 + W - offset, 0), BLOCK_M) * BLOCK_M)
+    dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    bh = pid_bh.to(tl.int64)
+    args = (k, v, Q + b * stride_qb + h * stride_qh, DO + b * stride_dob + h * stride_doh, QPOS + b * Tq,
+            LSE + bh * Tq, DELTA + bh * Tq, BAND + h * BAND_LEN + (BLOCK_M + BLOCK_N) + offset, tl.load(TAU + h),
+            n0)  # the band pointer + m0: the band of distance m0 + offset - n0
+    dk, dv = _causal_dkdv_tiles(dk, dv, *args, start, tl.minimum(near, Tq), Tq, offset, stride_qt, stride_dot,
+                                scale_log2, BLOCK_M, BLOCK_N, BLOCK_D, D, True, True, UPCAST, PRECISION)
+    dk, dv = _causal_dkdv_tiles(dk, dv, *args, near, tl.minimum(far, Tq), Tq, offset, stride_qt, stride_dot,
+                                scale_log2, BLOCK_M, BLOCK_N, BLOCK_D, D, True, False, UPCAST, PRECISION)
+    dk, dv = _causal_dkdv_tiles(dk, dv, *args, far, Tq, Tq, offset, stride_qt, stride_dot,
+                                scale_log2, BLOCK_M, BLOCK_N, BLOCK_D, D, False, False, UPCAST, PRECISION)
+    out = b * stride_dkb + h * stride_dkh + keys[:, None] * stride_dkt + offs_d[None, :]
+    kv_mask = (keys[:, None] < Tk) & (offs_d[None, :] < D)
+    tl.store(DK + out, (dk * scaling).to(DK.dtype.element_ty), mask=kv_mask)
+    tl.store(DV + out, dv.to(DV.dtype.element_ty), mask=kv_mask)
+
+# ---------------------------------------------------------------------------------------------------
 # Launchers
 # ---------------------------------------------------------------------------------------------------
 
@@ -985,15 +1221,19 @@ def _packed_decode(query, key, value, tau, distance_bias, q_pos, key_lengths, sc
     return o_part.sum(0).to(query.dtype), lse
 
 def _backward(grad_out, query, key, value, tau, distance_bias, q_pos, k_pos, q_seg, k_seg, lse, scaling,
-              skip=True):
+              skip=True, causal=False):
     """Launch Delta (with d tau partials), dq, then dk/dv (with d distance_bias partials); no atomics across programs.
 
-    Returns `(dq, dk, dv, d_tau [Hq] float32, d_bias [Hq, W] float32)`."""
+    `causal` (the metadata's plain causal layout) runs the causal fast path for query lengths > 16, as the forward
+    does (`skip` is ignored there). Returns `(dq, dk, dv, d_tau [Hq] float32, d_bias [Hq, W] float32)`."""
     block_d = _check_inputs(query, key)
     bsz, num_heads, q_len, dim = query.shape
     kv_heads, k_len, window = key.shape[1], key.shape[2], distance_bias.shape[-1]
     (query, dq), (key, dk), (value, dv) = (_with_gradient_buffer(x) for x in (query, key, value))
     grad_out = _last_dim_contiguous(grad_out)
+    if causal and q_len > DECODE_MAX_QUERIES:
+        return _causal_backward(grad_out, query, key, value, dq, dk, dv, tau, distance_bias, q_pos, q_seg, lse,
+                                scaling, block_d)
     groups = num_heads // kv_heads
     tau32 = tau.detach().to(torch.float32).contiguous()
     bias32 = distance_bias.detach().to(torch.float32).contiguous()
@@ -1022,6 +1262,47 @@ def _backward(grad_out, query, key, value, tau, distance_bias, q_pos, k_pos, q_s
         **inputs, DELTA=delta, DO=grad_out, DK=dk, DV=dv, DBIAS_PART=dbias_part, **strides,
         Hq=num_heads, Hkv=kv_heads, **sizes, scaling=scaling,
         BLOCK_M=kv_m, BLOCK_N=kv_n, num_warps=kv_warps, num_stages=kv_stages, **common)
+    return dq, dk, dv, dtau_part.sum(dim=(0, 2)), dbias_part.sum(dim=(0, 2))
+
+
+def _causal_backward(grad_out, query, key, value, dq, dk, dv, tau, distance_bias, q_pos, q_seg, lse, scaling,
+                     block_d):
+    """The causal fast-path backward (after `_causal_forward`): Delta, dq, dk/dv; `_backward`'s results."""
+    bsz, num_heads, q_len, dim = query.shape
+    kv_heads, k_len, window = key.shape[1], key.shape[2], distance_bias.shape[-1]
+    family = _gpu_family(query.device)
+    tau32 = tau.detach().to(torch.float32).contiguous()
+    common = dict(Q=query, K=key, V=value, TAU=tau32, QPOS=q_pos, LSE=lse, DO=grad_out,
+                  **_strides("q", query), **_strides("k", key), **_strides("v", value),
+                  **_strides("do", grad_out, h=2, t=1), Hq=num_heads, Tq=q_len, Tk=k_len, W=window,
+                  GROUPS=num_heads // kv_heads, scale_log2=scaling * LOG2E, BLOCK_D=block_d, D=dim, UPCAST=_INTERPRET,
+                  PRECISION=_DOT_PRECISION[query.dtype])
+
+    def launch(kernel, kind, programs, **arguments):  # programs(BM, BN) -> grid; each kernel its own band
+        block_m, block_n, num_warps, num_stages = _config(kind, block_d, family)
+        band = _bias_band(distance_bias, scaling, block_m, block_n)
+        kernel[programs(block_m, block_n)](**common, **arguments, BAND=band, BAND_LEN=band.shape[-1],
+                                           BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
+                                           num_stages=num_stages)
+
+    query_tiles = lambda block_m, block_n: (triton.cdiv(q_len, block_m), bsz * num_heads)  # noqa: E731
+    delta = torch.empty(bsz, num_heads, q_len, dtype=torch.float32, device=query.device)
+    dtau_part = torch.empty(bsz, num_heads, triton.cdiv(q_len, _config("causal_delta", block_d, family)[0]),
+                            dtype=torch.float32, device=query.device)
+    launch(_lazy_causal_bwd_delta_kernel, "causal_delta", query_tiles, QSEG=q_seg, DELTA=delta, DTAU_PART=dtau_part)
+    dbias_part = torch.zeros(bsz, num_heads, triton.cdiv(q_len, _config("causal_dq", block_d, family)[0]), window,
+                             dtype=torch.float32, device=query.device)
+    launch(_lazy_causal_bwd_dq_kernel, "causal_dq", query_tiles, QSEG=q_seg, DELTA=delta, DQ=dq, DBIAS_PART=dbias_part,
+           scaling=scaling)
+    groups = num_heads // kv_heads  # with GQA: float32 terms per query head, summed over each group below
+    dk_out, dv_out = (dk, dv) if groups == 1 else (
+        torch.empty(bsz, num_heads, k_len, dim, dtype=torch.float32, device=query.device) for _ in range(2))
+    launch(_lazy_causal_bwd_dkdv_kernel, "causal_dkdv",
+           lambda block_m, block_n: (triton.cdiv(k_len, block_n), bsz * num_heads), DELTA=delta, DK=dk_out,
+           DV=dv_out, **_strides("dk", dk_out), scaling=scaling)
+    if groups > 1:
+        dk.copy_(dk_out.view(bsz, kv_heads, groups, k_len, dim).sum(2))
+        dv.copy_(dv_out.view(bsz, kv_heads, groups, k_len, dim).sum(2))
     return dq, dk, dv, dtau_part.sum(dim=(0, 2)), dbias_part.sum(dim=(0, 2))
 
 
@@ -1057,7 +1338,7 @@ class LazyAttentionTritonFunction(torch.autograd.Function):
         query, key, value, tau, distance_bias, lse = ctx.saved_tensors
         key_used, value_used, positions = _kernel_inputs(key, value, ctx.lazy_metadata)
         dq, dk, dv, d_tau, d_bias = _backward(grad_out, query, key_used, value_used, tau, distance_bias, *positions,
-                                              lse, ctx.scaling)
+                                              lse, ctx.scaling, causal=ctx.lazy_metadata.causal)
         if key_used.shape[2] != key.shape[2]:  # gradients of the unused (unwritten) cache slots are 0
             dk = torch.cat([dk, dk.new_zeros(*dk.shape[:2], key.shape[2] - dk.shape[2], dk.shape[3])], dim=2)
             dv = torch.cat([dv, dv.new_zeros(*dv.shape[:2], value.shape[2] - dv.shape[2], dv.shape[3])], dim=2)

@@ -92,7 +92,6 @@ def test_causal_fast_path_forward_stays_near_the_yardstick():
     assert times[fast.label] < 2.2 * times[fa2.label], times
 
 
-
 def test_packed_decode_stays_near_the_yardstick():
     """The packed decode's two passes at sm_90, D 64 (where the kept scores weigh most against K): every loop
     pipelines its loads, no spills, and the modelled decode at 32k keys is within 1.2x the FA2-style one."""
@@ -107,6 +106,23 @@ def test_packed_decode_stays_near_the_yardstick():
     ratio = (model.scenario_time("lazy (causal fast path)", "decode", codes, problem, 90)
              / model.scenario_time("FA2-style", "decode", codes, problem, 90))
     assert ratio <= 1.2, ratio
+
+
+def test_causal_fast_path_backward_pipelines_without_per_score_atomics():
+    """The causal backward kernels at sm_90, D 64: three loops each (beyond the window, inside it, at the causal
+    limit), pipelined loads in every loop, no spills, and the bias gradient's atomics (dq kernel, bias loops only)
+    far below the general dk/dv kernel's one per score element."""
+    problem = model.prefill_problem(4096, 64)
+    for key in ("delta", "dq", "dkdv"):
+        spec = model.LAZY_FAST[key]
+        code = model.analyse(spec.label, model.compile_spec(spec, 90, 64), 90)
+        block_m, block_n, _, _ = model.blocks_of(spec, 90, 64)
+        work = spec.work(problem, (block_m, block_n), 132)
+        assert code.spill == 0 and len(code.loops) == len(work.iterations) == 3, key
+        assert all(loop.counts.get("async_copy", 0) > 0 for loop in code.loops), key
+        atomics = [model.per_element(code, i, work.tile)["atomic"] for i in range(3)]
+        assert atomics[0] == 0 and max(atomics) <= (0.1 if key == "dq" else 0), (key, atomics)
+
 
 def test_fa2_reference_kernels_compute_attention():
     """Forward, backward and split-K decode against PyTorch, run by the Triton interpreter in a child process."""

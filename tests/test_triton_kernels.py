@@ -270,24 +270,33 @@ def dead_rows_and_longer_key_buffer(kernels):
     return errors
 
 
+CAUSAL_CASES = {  # (dtype, batch, heads, kv_heads, q_len, k_len, head_dim, window, tau, GPU family of the blocks)
+    "three-ranges-gqa2-odd-fp32": (torch.float32, 1, 4, 2, 301, 301, 64, 16, TAU_MIXED[:4], "sm90"),
+    "window-long-gqa2-fp16": (torch.float16, 2, 4, 2, 90, 90, 64, 128, TAU_MIXED[:4], "sm90"),
+    "gqa3-d128-odd-fp32": (torch.float32, 1, 3, 1, 77, 77, 128, 20, TAU_MIXED[:3], "sm90"),
+    "after-cache-d128-bf16": (torch.bfloat16, 2, 2, 1, 40, 100, 128, 24, TAU_MIXED[:2], "sm90"),
+    "sm80-blocks-odd-fp32": (torch.float32, 1, 2, 1, 157, 157, 64, 40, [-1.0, 0.4], "sm80"),
+}
+
+
 def causal_fast_path(kernels):
-    """The causal fast-path forward (plain causal metadata), backward through the general kernels, against the
-    float64 reference: a window short enough for all three key ranges (beyond the window, inside it, at the causal
-    limit), an odd length, GQA, tau of both signs, and a chunked prefill after cached keys (key offset) at D 128."""
+    """The causal fast path, forward and backward (plain causal metadata), against the float64 reference: windows
+    short enough for all three key ranges (beyond the window, inside it, at the causal limit) and longer than the
+    sequence, odd lengths, GQA, tau of both signs, D 64 and 128, a chunked prefill after cached keys (key offset),
+    and both block tables."""
     calls = []
-    original = kernels._causal_forward
-    kernels._causal_forward = lambda *args: calls.append(1) or original(*args)
+    forward, backward, family = kernels._causal_forward, kernels._causal_backward, kernels._gpu_family
+    kernels._causal_forward = lambda *args: calls.append("forward") or forward(*args)
+    kernels._causal_backward = lambda *args: calls.append("backward") or backward(*args)
     try:
         errors = {}
-        for name, (dtype, bsz, heads, kv_heads, q_len, k_len, dim, window, tau) in {
-            "three-ranges-gqa2-fp32": (torch.float32, 1, 4, 2, 300, 300, 64, 16, TAU_MIXED[:4]),
-            "after-cache-d128-bf16": (torch.bfloat16, 2, 2, 1, 40, 100, 128, 24, TAU_MIXED[:2]),
-        }.items():
+        for name, (dtype, bsz, heads, kv_heads, q_len, k_len, dim, window, tau, blocks) in CAUSAL_CASES.items():
+            kernels._gpu_family = lambda device, blocks=blocks: blocks
             inputs = make_inputs(bsz, heads, kv_heads, q_len, k_len, dim, window, dtype, tau)
             errors[name] = check(kernels, inputs, metadata(bsz, q_len, k_len), dtype, causal=True)
     finally:
-        kernels._causal_forward = original
-    assert len(calls) == 2, calls
+        kernels._causal_forward, kernels._causal_backward, kernels._gpu_family = forward, backward, family
+    assert calls == ["forward", "backward"] * len(CAUSAL_CASES), calls
     return errors
 
 
