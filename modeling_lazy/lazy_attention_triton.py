@@ -19,6 +19,8 @@ Kernels, in data-flow order:
     _lazy_causal_fwd_kernel    the forward's causal fast path (`LazyMetadata.causal`, query length > 16): no
                                per-key metadata, loop bounds instead of masks, the distance bias from a per-head
                                band, exp2, loads Triton pipelines; dense (no tile skipping)
+    _lazy_paged_fwd_kernel     the causal fast path's passes (`_causal_passes`) for a mixed vLLM step: query tiles of
+                               many requests (varlen), K and V through the paged cache's block table
     _lazy_decode_lse_kernel / _lazy_decode_out_kernel
                                the packed decode (`LazyMetadata.causal`, query length <= 16; and paged K/V for
                                serving): a GQA group's query heads x query rows as the rows of one tile, split-K,
@@ -27,8 +29,9 @@ Kernels, in data-flow order:
     _lazy_bwd_dq_kernel        dq, FlashAttention-2 style with the elastic-softmax dS
     _lazy_bwd_dkdv_kernel      dk, dv (GQA: loops over the query heads of one KV head, never repeats K/V)
                                and per-tile d distance_bias partials
-Then the launchers, the `autograd.Function`, the public `lazy_attention_triton` and
-`lazy_attention_triton_paged_decode` (one token per request against vLLM's paged cache).
+Then the launchers, the `autograd.Function`, the public `lazy_attention_triton`,
+`lazy_attention_triton_paged_decode` (one token per request against vLLM's paged cache) and
+`lazy_attention_triton_paged` (a mixed step of prompts, chunks and decode tokens against it).
 
 Block skipping: a key tile with no visible entry for the query tile (other document, padding, beyond the
 causal limit) is skipped in every pass; a key tile whose weights a_ij are all zero after pass 1 is skipped
