@@ -492,7 +492,10 @@ def paged_prefill_mixed_batch(kernels):
     cache slot no request owns. Also a batch of decode tokens only (`max_query_len=1`: the packed decode)."""
     seed = fresh_seed()
     errors = {"seed": seed}
-    family = kernels._gpu_family
+    family, prefill, decode_kernels = kernels._gpu_family, kernels._paged_prefill, kernels._packed_decode
+    calls = []
+    kernels._paged_prefill = lambda *args: calls.append("prefill") or prefill(*args)
+    kernels._packed_decode = lambda *args, **kw: calls.append("decode") or decode_kernels(*args, **kw)
     try:
         for name, case in PAGED_CASES.items():
             kernels._gpu_family = lambda device, chosen=case.family: chosen
@@ -523,7 +526,8 @@ def paged_prefill_mixed_batch(kernels):
                     errors[label] = relative_error(out[rows], expected)
                     assert errors[label] < TOLERANCE[case.dtype], (label, errors)
     finally:
-        kernels._gpu_family = family
+        kernels._gpu_family, kernels._paged_prefill, kernels._packed_decode = family, prefill, decode_kernels
+    assert calls == ["prefill", "decode"] * len(PAGED_CASES), calls
     return errors
 
 
