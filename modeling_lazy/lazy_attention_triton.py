@@ -1211,7 +1211,7 @@ def lazy_attention_triton_paged_decode(query, kv_cache, block_table, seq_lens, t
 
 
 def lazy_attention_triton_paged(query, kv_cache, block_table, query_start_loc, seq_lens, tau, distance_bias, scaling,
-                                max_query_len=None, max_seq_len=None):
+                                max_query_len=None, max_seq_len=None, num_decodes=0):
     """Lazy Attention for a mixed batch of vLLM requests (whole prompts, prompt chunks, decode tokens) against the
     paged cache (forward only). K and V are read through the block table, never gathered.
 
@@ -1220,20 +1220,31 @@ def lazy_attention_triton_paged(query, kv_cache, block_table, query_start_loc, s
             its row i at position `seq_lens[r] - q_len_r + i` (its keys already in the cache); causal.
         kv_cache, block_table, tau, distance_bias, scaling: as in `lazy_attention_triton_paged_decode`.
         query_start_loc: `[R + 1]` int32 cumulative query lengths (0 first); seq_lens: `[R]` keys per request.
-        max_query_len: an upper bound of the q_len_r (int; sizes the grid). 1 with T == R (every request decodes
-            one token) runs the packed decode (`lazy_attention_triton_paged_decode`); None: the varlen kernel for all.
-        max_seq_len: for that packed decode (its score scratch); the varlen kernel needs no bound.
+        max_query_len: an upper bound of the q_len_r (int; sizes the grid; None: bounded by T and R).
+        max_seq_len: for the packed decode (its score scratch); the varlen kernel needs no bound.
+        num_decodes: the first `num_decodes` requests have one query row each (vLLM orders decode requests first):
+            they run the packed decode (`lazy_attention_triton_paged_decode`: a GQA group per tile, split-K), the
+            others the varlen kernel, where a decode token would take a whole query tile per head. `max_query_len=1`
+            with T == R means every request.
     Returns:
         `[T, Hq, D]` in the query dtype.
     """
     if max_query_len == 1 and query.shape[0] == seq_lens.shape[0]:
-        return lazy_attention_triton_paged_decode(query, kv_cache, block_table, seq_lens, tau, distance_bias, scaling,
-                                                  max_seq_len)
+        num_decodes = query.shape[0]
+    decoded = None
+    if num_decodes:
+        decoded = lazy_attention_triton_paged_decode(query[:num_decodes], kv_cache, block_table[:num_decodes],
+                                                     seq_lens[:num_decodes], tau, distance_bias, scaling, max_seq_len)
+        if num_decodes == query.shape[0]:
+            return decoded
     key, value = _cache_halves(query, kv_cache)
     int32 = dict(device=query.device, dtype=torch.int32)
-    return _paged_prefill(_last_dim_contiguous(query), key, value, block_table.to(**int32).contiguous(),
-                          query_start_loc.to(**int32).contiguous(), seq_lens.to(**int32).contiguous(), tau,
-                          distance_bias, float(scaling), max_query_len)
+    out = _paged_prefill(_last_dim_contiguous(query[num_decodes:]), key, value,
+                         block_table[num_decodes:].to(**int32).contiguous(),
+                         (query_start_loc[num_decodes:] - num_decodes).to(**int32).contiguous(),
+                         seq_lens[num_decodes:].to(**int32).contiguous(), tau, distance_bias, float(scaling),
+                         max_query_len)
+    return out if decoded is None else torch.cat([decoded, out])
 
 
 def _cache_halves(query, kv_cache):

@@ -489,7 +489,8 @@ def paged_prefill_mixed_batch(kernels):
     """`lazy_attention_triton_paged` on a mixed vLLM batch (`PAGED_REQUESTS`) against the float64 reference computed
     per request on its own contiguous keys and positions: GQA 1 and 3, D 64 and 128, tau of both signs, a bias window
     shorter than the longest request (all three key ranges), both block tables, a shuffled block table, NaN in every
-    cache slot no request owns. Also a batch of decode tokens only (`max_query_len=1`: the packed decode)."""
+    cache slot no request owns. Also a batch of decode tokens only (`max_query_len=1`) and the batch with its decode
+    tokens first (`num_decodes=2`): those run the packed decode."""
     seed = fresh_seed()
     errors = {"seed": seed}
     family, prefill, decode_kernels = kernels._gpu_family, kernels._paged_prefill, kernels._packed_decode
@@ -499,7 +500,9 @@ def paged_prefill_mixed_batch(kernels):
     try:
         for name, case in PAGED_CASES.items():
             kernels._gpu_family = lambda device, chosen=case.family: chosen
-            for requests in (PAGED_REQUESTS, [(1, n) for _, n in PAGED_REQUESTS]):
+            decodes_first = sorted(PAGED_REQUESTS, key=lambda request: request[0] > 1)
+            for requests, num_decodes in ((PAGED_REQUESTS, 0), ([(1, n) for _, n in PAGED_REQUESTS], 0),
+                                          (decodes_first, 2)):
                 q_lens, lengths = zip(*requests)
                 gen = torch.Generator().manual_seed(seed)
                 query = torch.randn(sum(q_lens), case.heads, case.head_dim, generator=gen).to(case.dtype)
@@ -513,7 +516,8 @@ def paged_prefill_mixed_batch(kernels):
                 scaling = case.head_dim ** -0.5
                 decode = max(q_lens) == 1
                 out = kernels.lazy_attention_triton_paged(query, cache, table, starts, torch.tensor(lengths), tau,
-                                                          bias, scaling, 1 if decode else case.max_query_len)
+                                                          bias, scaling, 1 if decode else case.max_query_len,
+                                                          num_decodes=num_decodes)
                 assert out.shape == query.shape and out.dtype == case.dtype
                 for r, (q_len, length) in enumerate(requests):
                     rows = slice(starts[r], starts[r + 1])
@@ -522,12 +526,12 @@ def paged_prefill_mixed_batch(kernels):
                     expected = reference(query[rows].transpose(0, 1)[None], key[r:r + 1, :, :length],
                                          value[r:r + 1, :, :length], tau, bias, k_pos[:, -q_len:], k_pos,
                                          seg[:, -q_len:], seg, scaling)[0]
-                    label = f"{name}{'-decode-only' if decode else ''}-request{r}"
+                    label = f"{name}{'-decode-only' if decode else ''}{'-decodes-first' * bool(num_decodes)}-{r}"
                     errors[label] = relative_error(out[rows], expected)
                     assert errors[label] < TOLERANCE[case.dtype], (label, errors)
     finally:
         kernels._gpu_family, kernels._paged_prefill, kernels._packed_decode = family, prefill, decode_kernels
-    assert calls == ["prefill", "decode"] * len(PAGED_CASES), calls
+    assert calls == ["prefill", "decode", "decode", "prefill"] * len(PAGED_CASES), calls
     return errors
 
 
