@@ -31,7 +31,7 @@ _DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "f
 _INPUT_POINTERS = {"Q", "K", "V", "OUT", "DO", "DQ", "DK", "DV"}
 _FLOAT32_POINTERS = {"TAU", "BIAS", "BAND", "LSE", "M_PART", "L_PART", "O_PART", "DELTA", "DTAU_PART", "DBIAS_PART",
                      "SCORES", "LSE2"}
-_INT32_POINTERS = {"QPOS", "KPOS", "QSEG", "KSEG", "STATS", "KLEN", "BLOCK_TABLE"}
+_INT32_POINTERS = {"QPOS", "KPOS", "QSEG", "KSEG", "STATS", "KLEN", "BLOCK_TABLE", "QUERY_START", "TILES"}
 
 
 def load_kernels():
@@ -56,7 +56,7 @@ class Build:
     head_dim: int
     arch: int
     matmul: bool = True  # uses tl.dot (so sm_90 with 16-bit inputs must use wgmma)
-    page_size: int = 0  # the packed decode's PAGE_SIZE (> 0: paged K/V through a block table)
+    page_size: int = 0  # PAGE_SIZE of the packed decode / paged prefill (> 0: K/V through a block table)
 
     @property
     def label(self) -> str:
@@ -70,6 +70,7 @@ def shipped_builds(dtypes=(torch.bfloat16, torch.float16, torch.float32)) -> lis
             for dim in HEAD_DIMS:
                 builds += [Build("_lazy_fwd_kernel", "fwd", dtype, dim, arch),
                            Build("_lazy_causal_fwd_kernel", "causal_fwd", dtype, dim, arch),
+                           Build("_lazy_paged_fwd_kernel", "paged_fwd", dtype, dim, arch, page_size=16),
                            Build("_lazy_fwd_kernel", "decode", dtype, dim, arch),
                            Build("_lazy_fwd_split_lse_kernel", "decode", dtype, dim, arch),
                            Build("_lazy_fwd_split_out_kernel", "decode", dtype, dim, arch),

@@ -19,6 +19,8 @@ Kernels, in data-flow order:
     _lazy_causal_fwd_kernel    the forward's causal fast path (`LazyMetadata.causal`, query length > 16): no
                                per-key metadata, loop bounds instead of masks, the distance bias from a per-head
                                band, exp2, loads Triton pipelines; dense (no tile skipping)
+    _lazy_paged_fwd_kernel     the causal fast path's passes (`_causal_passes`) for a mixed vLLM step: query tiles of
+                               many requests (varlen), K and V through the paged cache's block table
     _lazy_decode_lse_kernel / _lazy_decode_out_kernel
                                the packed decode (`LazyMetadata.causal`, query length <= 16; and paged K/V for
                                serving): a GQA group's query heads x query rows as the rows of one tile, split-K,
@@ -30,8 +32,9 @@ Kernels, in data-flow order:
     _lazy_causal_bwd_delta_kernel / _lazy_causal_bwd_dq_kernel / _lazy_causal_bwd_dkdv_kernel
                                the backward's causal fast path (after the causal forward), built like it; the
                                dq kernel also reduces d distance_bias along the diagonals of each dS tile
-Then the launchers, the `autograd.Function`, the public `lazy_attention_triton` and
-`lazy_attention_triton_paged_decode` (one token per request against vLLM's paged cache).
+Then the launchers, the `autograd.Function`, the public `lazy_attention_triton`,
+`lazy_attention_triton_paged_decode` (one token per request against vLLM's paged cache) and
+`lazy_attention_triton_paged` (a mixed step of prompts, chunks and decode tokens against it).
 
 Block skipping: a key tile with no visible entry for the query tile (other document, padding, beyond the
 causal limit) is skipped in every pass; a key tile whose weights a_ij are all zero after pass 1 is skipped
@@ -83,6 +86,8 @@ _CONFIGS = {
         ("fwd", 128): (128, 32, 8, 2),
         ("causal_fwd", 64): (128, 64, 8, 2),
         ("causal_fwd", 128): (128, 64, 8, 2),
+        ("paged_fwd", 64): (128, 64, 8, 2),
+        ("paged_fwd", 128): (128, 64, 8, 2),
         ("decode", 64): (16, 64, 4, 2),
         ("decode", 128): (16, 64, 4, 2),
         ("packed_decode", 64): (16, 128, 4, 3),
@@ -105,6 +110,8 @@ _CONFIGS = {
         ("fwd", 128): (64, 32, 8, 2),
         ("causal_fwd", 64): (128, 64, 8, 2),
         ("causal_fwd", 128): (64, 32, 4, 2),
+        ("paged_fwd", 64): (128, 64, 8, 2),
+        ("paged_fwd", 128): (64, 32, 4, 2),
         ("decode", 64): (16, 64, 4, 2),
         ("decode", 128): (16, 64, 4, 2),
         ("packed_decode", 64): (16, 128, 4, 3),
@@ -366,9 +373,14 @@ def _causal_key_ranges(m0, Tq, Tk, W, BLOCK_M: tl.constexpr, BLOCK_N: tl.constex
 
 
 @triton.jit
-def _load_keys(ptr, stride, keys, offs_d, Tk, D: tl.constexpr, BLOCK_D: tl.constexpr, MASK_KEYS: tl.constexpr):
-    """`[BN, BLOCK_D]` rows `keys` of a `[Tk, D]` matrix; only the tiles at the causal limit can pass Tk."""
-    ptrs = ptr + keys[:, None] * stride + offs_d[None, :]
+def _load_keys(ptr, stride, keys, offs_d, Tk, D: tl.constexpr, BLOCK_D: tl.constexpr, MASK_KEYS: tl.constexpr,
+               BT=None, stride_b=0, PAGE_SIZE: tl.constexpr = 0):
+    """`[BN, BLOCK_D]` rows `keys` of a `[Tk, D]` matrix; only the tiles at the causal limit can pass Tk.
+    PAGE_SIZE > 0: of a paged cache (`_cache_rows`: block table `BT`, `stride_b` between blocks)."""
+    if PAGE_SIZE > 0:
+        ptrs = ptr + _cache_rows(BT, keys, Tk, 0, stride_b, stride, PAGE_SIZE)[:, None] + offs_d[None, :]
+    else:
+        ptrs = ptr + keys[:, None] * stride + offs_d[None, :]
     if MASK_KEYS:
         return tl.load(ptrs, mask=(keys[:, None] < Tk) & (offs_d[None, :] < D), other=0.0)
     elif D < BLOCK_D:
@@ -393,12 +405,13 @@ def _causal_scores(q, k, band, start_n, diagonal, scale_log2, BIAS: tl.constexpr
 @triton.jit
 def _causal_lse_tiles(q, m_i, l_i, K, stride_kt, band, diagonal, lo, hi, Tk, scale_log2,
                       BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, D: tl.constexpr, BIAS: tl.constexpr,
-                      MASK_KEYS: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+                      MASK_KEYS: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+                      BT=None, stride_kb=0, PAGE_SIZE: tl.constexpr = 0):
     """Pass 1 over key tiles [lo, hi): running row max and sum of exp2 (log2 units)."""
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     for start_n in range(lo, hi, BLOCK_N):
-        k = _load_keys(K, stride_kt, start_n + offs_n, offs_d, Tk, D, BLOCK_D, MASK_KEYS)
+        k = _load_keys(K, stride_kt, start_n + offs_n, offs_d, Tk, D, BLOCK_D, MASK_KEYS, BT, stride_kb, PAGE_SIZE)
         s = _causal_scores(q, k, band, start_n, diagonal, scale_log2, BIAS, True, UPCAST, PRECISION)  # [BM, BN]
         m_new = tl.maximum(m_i, tl.max(s, 1))
         l_i = l_i * tl.exp2(m_i - m_new) + tl.sum(tl.exp2(s - m_new[:, None]), 1)
@@ -409,15 +422,16 @@ def _causal_lse_tiles(q, m_i, l_i, K, stride_kt, band, diagonal, lo, hi, Tk, sca
 @triton.jit
 def _causal_out_tiles(q, acc, K, V, stride_kt, stride_vt, band, diagonal, q_key_idx, lse2, threshold, lo, hi, Tk,
                       scale_log2, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, D: tl.constexpr,
-                      BIAS: tl.constexpr, DIAGONAL: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+                      BIAS: tl.constexpr, DIAGONAL: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+                      BT=None, stride_kb=0, stride_vb=0, PAGE_SIZE: tl.constexpr = 0):
     """Pass 2 over key tiles [lo, hi): `acc += ReLU(p + tau/n) @ V`; `DIAGONAL` tiles mask later keys (with
     tau > 0 a masked key would otherwise get tau/n, not 0)."""
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     for start_n in range(lo, hi, BLOCK_N):
         keys = start_n + offs_n
-        k = _load_keys(K, stride_kt, keys, offs_d, Tk, D, BLOCK_D, DIAGONAL)
-        v = _load_keys(V, stride_vt, keys, offs_d, Tk, D, BLOCK_D, DIAGONAL)
+        k = _load_keys(K, stride_kt, keys, offs_d, Tk, D, BLOCK_D, DIAGONAL, BT, stride_kb, PAGE_SIZE)
+        v = _load_keys(V, stride_vt, keys, offs_d, Tk, D, BLOCK_D, DIAGONAL, BT, stride_vb, PAGE_SIZE)
         s = _causal_scores(q, k, band, start_n, diagonal, scale_log2, BIAS, False, UPCAST, PRECISION)  # [BM, BN]
         a = tl.maximum(tl.exp2(s - lse2[:, None]) + threshold[:, None], 0.0)  # float32 threshold test
         if DIAGONAL:
@@ -427,59 +441,108 @@ def _causal_out_tiles(q, acc, K, V, stride_kt, stride_vt, band, diagonal, q_key_
 
 
 @triton.jit
+def _causal_passes(q, q_pos, K, V, stride_kt, stride_vt, band_h, BAND_PLANE, TAU_h, m0, Tq, Tk, W, scale_log2,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, D: tl.constexpr,
+                   UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+                   BT=None, stride_kb=0, stride_vb=0, PAGE_SIZE: tl.constexpr = 0):
+    """Both passes of the causal fast path for the query rows [m0, m0 + BM) of one head (row i at key index
+    i + Tk - Tq, n = q_pos + 1), each as three loops (beyond the window / inside it / at the causal limit).
+    `band_h`: the head's band row (q.k units `BAND_PLANE` further on); `TAU_h`: the head's tau. PAGE_SIZE > 0:
+    K and V are a paged cache (`_load_keys`). Returns `(acc [BM, BLOCK_D] float32, alive [BM], lse2 [BM])`."""
+    offs_m = tl.arange(0, BLOCK_M)
+    rows = m0 + offs_m
+    far, full, hi = _causal_key_ranges(m0, Tq, Tk, W, BLOCK_M, BLOCK_N)
+    band = band_h + (BLOCK_M + BLOCK_N) + m0 + Tk - Tq  # band of distance m0 + offset - start_n
+    band_qk = band + BAND_PLANE  # the same in q.k units (pass 1)
+    diagonal = offs_m[:, None] - tl.arange(0, BLOCK_N)[None, :]  # [BM, BN] row - column
+
+    m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)  # finite: a tile of -inf scores keeps exp2() at 0, never NaN
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    m_i, l_i = _causal_lse_tiles(q, m_i, l_i, K, stride_kt, band, diagonal, 0, far, Tk, scale_log2,
+                                 BLOCK_N, BLOCK_D, D, False, False, UPCAST, PRECISION, BT, stride_kb, PAGE_SIZE)
+    m_i, l_i = _causal_lse_tiles(q, m_i, l_i, K, stride_kt, band_qk, diagonal, far, full, Tk, scale_log2,
+                                 BLOCK_N, BLOCK_D, D, True, False, UPCAST, PRECISION, BT, stride_kb, PAGE_SIZE)
+    m_i, l_i = _causal_lse_tiles(q, m_i, l_i, K, stride_kt, band_qk, diagonal, full, hi, Tk, scale_log2,
+                                 BLOCK_N, BLOCK_D, D, True, True, UPCAST, PRECISION, BT, stride_kb, PAGE_SIZE)
+    # a row whose scores are all -inf has no normaliser: p = 0 on every key and no weight (threshold 0 here; the
+    # stored LSE is DEAD_ROW_LSE, which both backwards recognise)
+    alive = l_i > 0.0
+    lse2 = tl.where(alive, m_i + tl.log2(tl.where(alive, l_i, 1.0)), float("inf"))
+    threshold = tl.where(alive, tl.load(TAU_h) / (q_pos + 1).to(tl.float32), 0.0)
+
+    q_key_idx = rows + Tk - Tq
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    acc = _causal_out_tiles(q, acc, K, V, stride_kt, stride_vt, band, diagonal, q_key_idx, lse2, threshold, 0, far,
+                            Tk, scale_log2, BLOCK_N, BLOCK_D, D, False, False, UPCAST, PRECISION,
+                            BT, stride_kb, stride_vb, PAGE_SIZE)
+    acc = _causal_out_tiles(q, acc, K, V, stride_kt, stride_vt, band, diagonal, q_key_idx, lse2, threshold, far,
+                            full, Tk, scale_log2, BLOCK_N, BLOCK_D, D, True, False, UPCAST, PRECISION,
+                            BT, stride_kb, stride_vb, PAGE_SIZE)
+    acc = _causal_out_tiles(q, acc, K, V, stride_kt, stride_vt, band, diagonal, q_key_idx, lse2, threshold, full,
+                            hi, Tk, scale_log2, BLOCK_N, BLOCK_D, D, True, True, UPCAST, PRECISION,
+                            BT, stride_kb, stride_vb, PAGE_SIZE)
+    return acc, alive, lse2
+
+
+@triton.jit
 def _lazy_causal_fwd_kernel(Q, K, V, TAU, BAND, QPOS, OUT, LSE,
                             stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt,
                             stride_vb, stride_vh, stride_vt, stride_ob, stride_oh, stride_ot,
                             Hq, Tq, Tk, W, GROUPS, BAND_LEN, scale_log2,
                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, D: tl.constexpr,
                             UPCAST: tl.constexpr, PRECISION: tl.constexpr):
-    """Causal fast path, one query tile of one query head: pass 1 (LSE), pass 2 (output), each as three loops
-    (beyond the window / inside it / at the causal limit). Grid: (cdiv(Tq, BM), B * Hq). LSE in natural units."""
+    """Causal fast path, one query tile of one query head: `_causal_passes`. Grid: (cdiv(Tq, BM), B * Hq). LSE in
+    natural units."""
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = (pid_bh // Hq).to(tl.int64)
     h = pid_bh % Hq
     hk = (h // GROUPS).to(tl.int64)
     m0 = pid_m * BLOCK_M
-    offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
-    rows = m0 + offs_m
+    rows = m0 + tl.arange(0, BLOCK_M)
     row_mask = rows < Tq
     q = _load_rows(Q + b * stride_qb + h.to(tl.int64) * stride_qh, stride_qt, rows, offs_d, Tq, D)
     q_pos = tl.load(QPOS + b * Tq + rows, mask=row_mask, other=0)
-    far, full, hi = _causal_key_ranges(m0, Tq, Tk, W, BLOCK_M, BLOCK_N)
-    K_ = K + b * stride_kb + hk * stride_kh
-    V_ = V + b * stride_vb + hk * stride_vh
-    band = BAND + h * BAND_LEN + (BLOCK_M + BLOCK_N) + m0 + Tk - Tq  # band of distance m0 + offset - start_n
-    band_qk = band + Hq * BAND_LEN  # the same in q.k units (pass 1)
-    diagonal = offs_m[:, None] - tl.arange(0, BLOCK_N)[None, :]  # [BM, BN] row - column
-
-    m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)  # finite: a tile of -inf scores keeps exp2() at 0, never NaN
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    m_i, l_i = _causal_lse_tiles(q, m_i, l_i, K_, stride_kt, band, diagonal, 0, far, Tk, scale_log2,
-                                 BLOCK_N, BLOCK_D, D, False, False, UPCAST, PRECISION)
-    m_i, l_i = _causal_lse_tiles(q, m_i, l_i, K_, stride_kt, band_qk, diagonal, far, full, Tk, scale_log2,
-                                 BLOCK_N, BLOCK_D, D, True, False, UPCAST, PRECISION)
-    m_i, l_i = _causal_lse_tiles(q, m_i, l_i, K_, stride_kt, band_qk, diagonal, full, hi, Tk, scale_log2,
-                                 BLOCK_N, BLOCK_D, D, True, True, UPCAST, PRECISION)
-    # a row whose scores are all -inf has no normaliser: p = 0 on every key and no weight (threshold 0 here; the
-    # stored LSE is DEAD_ROW_LSE, which both backwards recognise)
-    alive = l_i > 0.0
-    lse2 = tl.where(alive, m_i + tl.log2(tl.where(alive, l_i, 1.0)), float("inf"))
-    threshold = tl.where(alive, tl.load(TAU + h) / (q_pos + 1).to(tl.float32), 0.0)
-
-    q_key_idx = rows + Tk - Tq
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    acc = _causal_out_tiles(q, acc, K_, V_, stride_kt, stride_vt, band, diagonal, q_key_idx, lse2, threshold, 0, far,
-                            Tk, scale_log2, BLOCK_N, BLOCK_D, D, False, False, UPCAST, PRECISION)
-    acc = _causal_out_tiles(q, acc, K_, V_, stride_kt, stride_vt, band, diagonal, q_key_idx, lse2, threshold, far,
-                            full, Tk, scale_log2, BLOCK_N, BLOCK_D, D, True, False, UPCAST, PRECISION)
-    acc = _causal_out_tiles(q, acc, K_, V_, stride_kt, stride_vt, band, diagonal, q_key_idx, lse2, threshold, full,
-                            hi, Tk, scale_log2, BLOCK_N, BLOCK_D, D, True, True, UPCAST, PRECISION)
+    acc, alive, lse2 = _causal_passes(q, q_pos, K + b * stride_kb + hk * stride_kh, V + b * stride_vb + hk * stride_vh,
+                                      stride_kt, stride_vt, BAND + h * BAND_LEN, Hq * BAND_LEN, TAU + h, m0, Tq, Tk, W,
+                                      scale_log2, BLOCK_M, BLOCK_N, BLOCK_D, D, UPCAST, PRECISION)
     out_ptrs = OUT + b * stride_ob + h.to(tl.int64) * stride_oh + rows[:, None] * stride_ot + offs_d[None, :]
     tl.store(out_ptrs, acc.to(OUT.dtype.element_ty), mask=row_mask[:, None] & (offs_d[None, :] < D))
     tl.store(LSE + pid_bh.to(tl.int64) * Tq + rows, tl.where(alive, lse2 * 0.6931471805599453, _DEAD_ROW_LSE),
              mask=row_mask)
+
+
+@triton.jit
+def _lazy_paged_fwd_kernel(Q, K, V, TAU, BAND, BLOCK_TABLE, QUERY_START, KLEN, TILES, OUT,
+                           stride_qt, stride_qh, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
+                           stride_tb, stride_ot, stride_oh, Hq, W, GROUPS, BAND_LEN, scale_log2,
+                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, D: tl.constexpr,
+                           PAGE_SIZE: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    """Varlen paged prefill: `_causal_passes` for one query tile of one request and one query head, K and V read
+    through the request's block table. Grid: (len(TILES), Hq); TILES [programs, 2] int32 holds (request, first
+    query row of the tile), request -1 for a spare program (no rows, no keys). Request r's query rows are
+    Q[QUERY_START[r] : QUERY_START[r + 1]], its keys 0 .. KLEN[r] - 1, its row i at position KLEN[r] - q_len + i."""
+    pid = tl.program_id(0)
+    h = tl.program_id(1)
+    hk = (h // GROUPS).to(tl.int64)
+    request = tl.load(TILES + 2 * pid)
+    m0 = tl.load(TILES + 2 * pid + 1)
+    live = request >= 0
+    r = tl.maximum(request, 0)
+    q_start = tl.load(QUERY_START + r)
+    Tq = tl.where(live, tl.load(QUERY_START + r + 1) - q_start, 0)
+    Tk = tl.where(live, tl.load(KLEN + r), 0)
+    offs_d = tl.arange(0, BLOCK_D)
+    rows = m0 + tl.arange(0, BLOCK_M)
+    row_mask = rows < Tq
+    q = _load_rows(Q + q_start.to(tl.int64) * stride_qt + h.to(tl.int64) * stride_qh, stride_qt, rows, offs_d, Tq, D)
+    acc, _, _ = _causal_passes(q, rows + Tk - Tq, K + hk * stride_kh, V + hk * stride_vh, stride_kt, stride_vt,
+                               BAND + h * BAND_LEN, Hq * BAND_LEN, TAU + h, m0, Tq, Tk, W, scale_log2,
+                               BLOCK_M, BLOCK_N, BLOCK_D, D, UPCAST, PRECISION,
+                               BLOCK_TABLE + r.to(tl.int64) * stride_tb, stride_kb, stride_vb, PAGE_SIZE)
+    out_ptrs = OUT + (q_start + rows).to(tl.int64)[:, None] * stride_ot + h.to(tl.int64) * stride_oh + offs_d[None, :]
+    tl.store(out_ptrs, acc.to(OUT.dtype.element_ty), mask=row_mask[:, None] & (offs_d[None, :] < D))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -1220,6 +1283,49 @@ def _packed_decode(query, key, value, tau, distance_bias, q_pos, key_lengths, sc
     lse = torch.where(alive, lse2 * LN2, DEAD_ROW_LSE)
     return o_part.sum(0).to(query.dtype), lse
 
+
+def _varlen_tiles(query_start_loc, num_tokens, block_m, max_query_len=None):
+    """`[programs, 2]` int32 work list of the varlen paged prefill, built on the device (no host sync): (request,
+    first query row) for every `block_m`-row tile of every request, then (-1, 0) for the spare programs of the upper
+    bound `sum_r cdiv(q_len_r, BM) <= (T + R (BM - 1)) // BM` (and <= R cdiv(max_query_len, BM))."""
+    q_lens = (query_start_loc[1:] - query_start_loc[:-1]).to(torch.int64)
+    requests = q_lens.numel()
+    programs = (num_tokens + requests * (block_m - 1)) // block_m
+    if max_query_len is not None:
+        programs = min(programs, requests * triton.cdiv(max_query_len, block_m))
+    tiles = (q_lens + block_m - 1) // block_m
+    ends = tiles.cumsum(0)
+    index = torch.arange(programs, device=query_start_loc.device)
+    request = torch.searchsorted(ends, index, right=True)
+    live = request < requests
+    request = request.clamp(max=requests - 1)
+    first = (index - (ends - tiles)[request]) * block_m
+    return torch.stack([torch.where(live, request, -1), torch.where(live, first, 0)], 1).to(torch.int32).contiguous()
+
+
+def _paged_prefill(query, key, value, block_table, query_start_loc, seq_lens, tau, distance_bias, scaling,
+                   max_query_len=None):
+    """Launch the varlen paged prefill: `out [T, Hq, D]`. query `[T, Hq, D]`; key, value the paged caches
+    `[num_blocks, Hkv, page size, D]`; block_table `[R, max blocks]`, query_start_loc `[R + 1]`, seq_lens `[R]`
+    int32."""
+    block_d = _check_inputs(query, key)
+    num_tokens, num_heads, dim = query.shape
+    block_m, block_n, num_warps, num_stages = _config("paged_fwd", block_d, _gpu_family(query.device))
+    out = torch.empty_like(query)
+    tiles = _varlen_tiles(query_start_loc, num_tokens, block_m, max_query_len)
+    if tiles.shape[0] == 0:
+        return out
+    band = _bias_band(distance_bias, scaling, block_m, block_n)
+    _lazy_paged_fwd_kernel[(tiles.shape[0], num_heads)](
+        Q=query, K=key, V=value, TAU=tau.detach().to(torch.float32).contiguous(), BAND=band, BLOCK_TABLE=block_table,
+        QUERY_START=query_start_loc, KLEN=seq_lens, TILES=tiles, OUT=out,
+        stride_qt=query.stride(0), stride_qh=query.stride(1), **_strides("k", key), **_strides("v", value),
+        stride_tb=block_table.stride(0), stride_ot=out.stride(0), stride_oh=out.stride(1),
+        Hq=num_heads, W=distance_bias.shape[-1], GROUPS=num_heads // key.shape[1], BAND_LEN=band.shape[-1],
+        scale_log2=scaling * LOG2E, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, D=dim, PAGE_SIZE=key.shape[2],
+        UPCAST=_INTERPRET, PRECISION=_DOT_PRECISION[query.dtype], num_warps=num_warps, num_stages=num_stages)
+    return out
+
 def _backward(grad_out, query, key, value, tau, distance_bias, q_pos, k_pos, q_seg, k_seg, lse, scaling,
               skip=True, causal=False):
     """Launch Delta (with d tau partials), dq, then dk/dv (with d distance_bias partials); no atomics across programs.
@@ -1376,16 +1482,60 @@ def lazy_attention_triton_paged_decode(query, kv_cache, block_table, seq_lens, t
     Returns:
         `[R, Hq, D]` in the query dtype.
     """
+    key, value = _cache_halves(query, kv_cache)
+    seq_lens = seq_lens.to(device=query.device, dtype=torch.int32).contiguous()
+    q_pos = (seq_lens - 1)[:, None].contiguous()
+    out, _ = _packed_decode(_last_dim_contiguous(query)[:, :, None], key, value, tau, distance_bias, q_pos, seq_lens,
+                            float(scaling), block_table=block_table.to(torch.int32).contiguous(),
+                            key_capacity=max_seq_len)
+    return out[:, 0]
+
+
+def lazy_attention_triton_paged(query, kv_cache, block_table, query_start_loc, seq_lens, tau, distance_bias, scaling,
+                                max_query_len=None, max_seq_len=None, num_decodes=0):
+    """Lazy Attention for a mixed batch of vLLM requests (whole prompts, prompt chunks, decode tokens) against the
+    paged cache (forward only). K and V are read through the block table, never gathered.
+
+    Args:
+        query: `[T, Hq, D]`; request r owns rows `query_start_loc[r] : query_start_loc[r + 1]` (q_len_r of them),
+            its row i at position `seq_lens[r] - q_len_r + i` (its keys already in the cache); causal.
+        kv_cache, block_table, tau, distance_bias, scaling: as in `lazy_attention_triton_paged_decode`.
+        query_start_loc: `[R + 1]` int32 cumulative query lengths (0 first); seq_lens: `[R]` keys per request.
+        max_query_len: an upper bound of the q_len_r (int; sizes the grid; None: bounded by T and R).
+        max_seq_len: for the packed decode (its score scratch); the varlen kernel needs no bound.
+        num_decodes: the first `num_decodes` requests have one query row each (vLLM orders decode requests first):
+            they run the packed decode (`lazy_attention_triton_paged_decode`: a GQA group per tile, split-K), the
+            others the varlen kernel, where a decode token would take a whole query tile per head. `max_query_len=1`
+            with T == R means every request.
+    Returns:
+        `[T, Hq, D]` in the query dtype.
+    """
+    if max_query_len == 1 and query.shape[0] == seq_lens.shape[0]:
+        num_decodes = query.shape[0]
+    decoded = None
+    if num_decodes:
+        decoded = lazy_attention_triton_paged_decode(query[:num_decodes], kv_cache, block_table[:num_decodes],
+                                                     seq_lens[:num_decodes], tau, distance_bias, scaling, max_seq_len)
+        if num_decodes == query.shape[0]:
+            return decoded
+    key, value = _cache_halves(query, kv_cache)
+    int32 = dict(device=query.device, dtype=torch.int32)
+    out = _paged_prefill(_last_dim_contiguous(query[num_decodes:]), key, value,
+                         block_table[num_decodes:].to(**int32).contiguous(),
+                         (query_start_loc[num_decodes:] - num_decodes).to(**int32).contiguous(),
+                         seq_lens[num_decodes:].to(**int32).contiguous(), tau, distance_bias, float(scaling),
+                         max_query_len)
+    return out if decoded is None else torch.cat([decoded, out])
+
+
+def _cache_halves(query, kv_cache):
+    """`(K, V)` views `[num_blocks, Hkv, block_size, D]` of one layer's vLLM cache `[..., 2 D]` (K first)."""
     dim = query.shape[-1]
     if kv_cache.shape[-1] != 2 * dim or kv_cache.stride(-1) != 1:
         raise ValueError(f"kv_cache's last dim must hold K and V of head_dim {dim} ({2 * dim} contiguous channels), "
                          f"got shape {tuple(kv_cache.shape)}, strides {kv_cache.stride()}")
-    seq_lens = seq_lens.to(device=query.device, dtype=torch.int32).contiguous()
-    q_pos = (seq_lens - 1)[:, None].contiguous()
-    out, _ = _packed_decode(_last_dim_contiguous(query)[:, :, None], kv_cache[..., :dim], kv_cache[..., dim:], tau,
-                            distance_bias, q_pos, seq_lens, float(scaling),
-                            block_table=block_table.to(torch.int32).contiguous(), key_capacity=max_seq_len)
-    return out[:, 0]
+    return kv_cache[..., :dim], kv_cache[..., dim:]
+
 
 def lazy_attention_tile_stats(query, key, value, tau, distance_bias, metadata: "LazyMetadata", scaling,
                               num_splits=None):
@@ -1401,5 +1551,5 @@ def lazy_attention_tile_stats(query, key, value, tau, distance_bias, metadata: "
     return visited, visible, visited / max(1, visible)
 
 
-__all__ = ["LazyAttentionTritonFunction", "lazy_attention_triton", "lazy_attention_triton_paged_decode",
-           "lazy_attention_tile_stats"]
+__all__ = ["LazyAttentionTritonFunction", "lazy_attention_triton", "lazy_attention_triton_paged",
+           "lazy_attention_triton_paged_decode", "lazy_attention_tile_stats"]

@@ -430,16 +430,7 @@ def paged_decode_matches_contiguous_and_reference(kernels):
         max_blocks = max(triton_cdiv(n, page) for n in lengths) + 1
         query, key, value, tau, bias, _ = make_inputs(requests, heads, kv_heads, 1, max(lengths), dim, 20, dtype,
                                                       TAU_MIXED[:2] * (heads // 2), seed=seed)
-        num_blocks = requests * max_blocks + 3
-        cache = torch.full((num_blocks, kv_heads, page, 2 * dim), float("nan"), dtype=dtype)
-        shuffled = torch.randperm(num_blocks - 1, generator=torch.Generator().manual_seed(seed))
-        order = (shuffled + 1).tolist()  # block 0 (NaN) stands for the table's padding
-        table = torch.zeros(requests, max_blocks, dtype=torch.int32)
-        for r, length in enumerate(lengths):
-            for j in range(length):
-                if j % page == 0:
-                    table[r, j // page] = order.pop()
-                cache[table[r, j // page], :, j % page] = torch.cat([key[r, :, j], value[r, :, j]], -1)
+        cache, table = paged_cache(key, value, lengths, page, max_blocks, seed)
         seq_lens = torch.tensor(lengths, dtype=torch.int32)
         scaling = dim ** -0.5
         out = kernels.lazy_attention_triton_paged_decode(query[:, :, 0], cache, table, seq_lens, tau, bias, scaling,
@@ -460,6 +451,97 @@ def paged_decode_matches_contiguous_and_reference(kernels):
 
 def triton_cdiv(a, b):
     return -(-a // b)
+
+
+def paged_cache(key, value, lengths, page, max_blocks, seed):
+    """vLLM's layout of the first `lengths[r]` keys of `key, value [R, Hkv, >= max length, D]`: a cache
+    `[num_blocks, Hkv, page, 2 D]` (K then V), NaN in every slot no request owns, and a shuffled block table
+    `[R, max_blocks]` int32 whose padding entries point at block 0 (NaN)."""
+    requests, kv_heads, _, dim = key.shape
+    num_blocks = requests * max_blocks + 3
+    cache = torch.full((num_blocks, kv_heads, page, 2 * dim), float("nan"), dtype=key.dtype)
+    shuffled = torch.randperm(num_blocks - 1, generator=torch.Generator().manual_seed(seed))
+    order = (shuffled + 1).tolist()
+    table = torch.zeros(requests, max_blocks, dtype=torch.int32)
+    for r, length in enumerate(lengths):
+        for j in range(length):
+            if j % page == 0:
+                table[r, j // page] = order.pop()
+            cache[table[r, j // page], :, j % page] = torch.cat([key[r, :, j], value[r, :, j]], -1)
+    return cache, table
+
+
+class PagedCase(NamedTuple):
+    """One mixed vLLM batch for `lazy_attention_triton_paged`: per request (query rows, keys in the cache)."""
+
+    dtype: torch.dtype
+    heads: int
+    kv_heads: int
+    head_dim: int
+    window: int
+    page: int
+    family: str  # the block table the launcher uses
+    max_query_len: int | None
+
+
+# two prompts of odd lengths (one over two query tiles), a prompt chunk after 59 cached keys, two decode tokens;
+# the decode rows sit between the prompts (the work list maps tiles to requests in any order)
+PAGED_REQUESTS = [(147, 147), (1, 70), (41, 100), (33, 33), (1, 5)]
+PAGED_CASES = {
+    "gqa1-d64-fp32": PagedCase(torch.float32, 2, 2, 64, 24, 16, "sm90", None),
+    "gqa3-d128-sm80-blocks-bf16": PagedCase(torch.bfloat16, 6, 2, 128, 24, 8, "sm80", 147),
+    "gqa3-d128-fp16": PagedCase(torch.float16, 3, 1, 128, 40, 16, "sm90", 200),
+}
+
+
+def paged_prefill_mixed_batch(kernels):
+    """`lazy_attention_triton_paged` on a mixed vLLM batch (`PAGED_REQUESTS`) against the float64 reference computed
+    per request on its own contiguous keys and positions: GQA 1 and 3, D 64 and 128, tau of both signs, a bias window
+    shorter than the longest request (all three key ranges), both block tables, a shuffled block table, NaN in every
+    cache slot no request owns. Also a batch of decode tokens only (`max_query_len=1`) and the batch with its decode
+    tokens first (`num_decodes=2`): those run the packed decode."""
+    seed = fresh_seed()
+    errors = {"seed": seed}
+    family, prefill, decode_kernels = kernels._gpu_family, kernels._paged_prefill, kernels._packed_decode
+    calls = []
+    kernels._paged_prefill = lambda *args: calls.append("prefill") or prefill(*args)
+    kernels._packed_decode = lambda *args, **kw: calls.append("decode") or decode_kernels(*args, **kw)
+    try:
+        for name, case in PAGED_CASES.items():
+            kernels._gpu_family = lambda device, chosen=case.family: chosen
+            decodes_first = sorted(PAGED_REQUESTS, key=lambda request: request[0] > 1)
+            for requests, num_decodes in ((PAGED_REQUESTS, 0), ([(1, n) for _, n in PAGED_REQUESTS], 0),
+                                          (decodes_first, 2)):
+                q_lens, lengths = zip(*requests)
+                gen = torch.Generator().manual_seed(seed)
+                query = torch.randn(sum(q_lens), case.heads, case.head_dim, generator=gen).to(case.dtype)
+                key, value = (torch.randn(len(requests), case.kv_heads, max(lengths), case.head_dim, generator=gen)
+                              .to(case.dtype) for _ in range(2))
+                tau = torch.tensor((TAU_MIXED * 2)[:case.heads])
+                bias = 0.5 * torch.randn(case.heads, case.window, generator=gen)
+                max_blocks = max(triton_cdiv(n, case.page) for n in lengths) + 1
+                cache, table = paged_cache(key, value, lengths, case.page, max_blocks, seed)
+                starts = torch.tensor([0, *q_lens]).cumsum(0).to(torch.int32)
+                scaling = case.head_dim ** -0.5
+                decode = max(q_lens) == 1
+                out = kernels.lazy_attention_triton_paged(query, cache, table, starts, torch.tensor(lengths), tau,
+                                                          bias, scaling, 1 if decode else case.max_query_len,
+                                                          num_decodes=num_decodes)
+                assert out.shape == query.shape and out.dtype == case.dtype
+                for r, (q_len, length) in enumerate(requests):
+                    rows = slice(starts[r], starts[r + 1])
+                    k_pos = torch.arange(length)[None]
+                    seg = torch.zeros(1, length, dtype=torch.long)
+                    expected = reference(query[rows].transpose(0, 1)[None], key[r:r + 1, :, :length],
+                                         value[r:r + 1, :, :length], tau, bias, k_pos[:, -q_len:], k_pos,
+                                         seg[:, -q_len:], seg, scaling)[0]
+                    label = f"{name}{'-decode-only' if decode else ''}{'-decodes-first' * bool(num_decodes)}-{r}"
+                    errors[label] = relative_error(out[rows], expected)
+                    assert errors[label] < TOLERANCE[case.dtype], (label, errors)
+    finally:
+        kernels._gpu_family, kernels._paged_prefill, kernels._packed_decode = family, prefill, decode_kernels
+    assert calls == ["prefill", "decode", "decode", "prefill"] * len(PAGED_CASES), calls
+    return errors
 
 
 def refuses_what_it_cannot_run(kernels):
@@ -516,6 +598,7 @@ CASES = {
     "packed-decode-skips-dead-value-tiles": packed_decode_skips_dead_value_tiles,
     "packed-decode-dispatch": packed_decode_dispatch,
     "paged-decode": paged_decode_matches_contiguous_and_reference,
+    "paged-prefill-mixed-batch": paged_prefill_mixed_batch,
     "refuses-what-it-cannot-run": refuses_what_it_cannot_run,
     "model-greedy-generation-triton-vs-eager": model_greedy_generation_matches_eager,
 }
