@@ -65,3 +65,32 @@ def test_lazify_arms_train_what_they_name(arm, expected):
     assert sum(p.numel() for p in params) == sum(p.numel() for p in model.parameters() if p.requires_grad)
     with pytest.raises(ValueError):
         lazify_controls.trainable(model, "everything")
+
+
+def _evaluation(ppl, pooled, row_mean=None):
+    return {"perplexity": ppl, "tokens": 1000, "attention": {"sparsity": pooled if row_mean is None else row_mean,
+                                                           "sparsity_pooled": pooled, "removed_mass": pooled / 2,
+                                                           "sink_share": 0.1}}
+
+
+def test_lazify_summary_deltas_against_converted_and_best_control_and_pareto(tmp_path):
+    results = {
+        "config": {"eval_tokens": 20, "eval_context": 512, "stats_tokens": 8, "stats_docs": 1, "steps": 3,
+                   "batch_size": 2, "block_size": 16, "seed": 0},
+        "code": "abc", "command": "python -m lazy_tools.lazify_controls", "torch": "x",
+        "tau_sweep": {"0": {"tau": 0.0, **_evaluation(40.0, 0.0)},
+                      "-0.1": {"tau": -0.1, **_evaluation(44.0, 0.6)}},
+        "arms": {arm: {"eval": _evaluation(ppl, pooled), "trained_parameters": 7, "losses": [1.0] * 3}
+                 for arm, ppl, pooled in (("lazy_only", 37.0, 0.5), ("bias_only", 38.0, 0.0),
+                                          ("vanilla_norms", 39.0, 0.0), ("tau_only", 45.0, 0.55))},
+    }
+    (tmp_path / "results.json").write_text(json.dumps(results))
+    rows = {row["name"]: row for row in lazify_controls.summary_points(results)}
+    assert rows["lazy_only"]["d_converted"] == pytest.approx(37 / 40 - 1)
+    assert rows["lazy_only"]["d_best_control"] == pytest.approx(37 / 38 - 1)  # bias_only is the better control
+    assert rows["no training, tau = -0.1"]["d_best_control"] == pytest.approx(44 / 38 - 1)
+    # lazy_only (0.5, 37) beats bias_only, vanilla_norms and tau = 0; tau_only (0.55, 45) is beaten by tau -0.1
+    assert {name for name, row in rows.items() if row["pareto"]} == {"lazy_only", "no training, tau = -0.1"}
+    text = lazify_controls.write_summary(tmp_path)
+    assert "| lazy_only | 7 | 37.000 | -7.50% | -2.63% |" in text
+    assert (tmp_path / "pareto.png").stat().st_size > 0
