@@ -10,7 +10,9 @@ Arms (each starts from the same converted model, sees the same Brown-train block
 - `tau_only`:     tau trained, distance_bias frozen at 0;
 - `vanilla_norms`: tau = distance_bias = 0 frozen (the model *is* the Llama), the RMSNorm weights trained instead
   (30 x 2 x 576 + 576 = 35k parameters; the lazy arms train 30 x 9 x (1 + W) of which 30 x 9 x 257 = 69k receive
-  gradients at block length 256): a vanilla fine-tune of comparable size.
+  gradients at block length 256): a vanilla fine-tune of comparable size;
+- `lazy_norms`:   tau, distance_bias and the RMSNorm weights together (what lazification costs on top of that
+  vanilla fine-tune: the same norms, the same steps, plus exact zeros).
 
 Baseline without training: the converted model with one uniform tau for every head (`--tau-sweep`).
 
@@ -42,26 +44,31 @@ from lazy_tools.metrics import (
 from lazy_tools.replicate import code_version
 from modeling_lazy import lazy_attention_modules
 
-ARMS = ("lazy_only", "vanilla_norms", "bias_only", "tau_only")
+ARMS = ("lazy_only", "vanilla_norms", "bias_only", "tau_only", "lazy_norms")
 CONTROLS = ("bias_only", "vanilla_norms")  # fine-tunes that cannot make exact zeros (tau stays 0)
 
 
 def trainable(model, arm: str) -> list[torch.nn.Parameter]:
     """Freeze everything, then unfreeze what the arm trains; returns those parameters."""
-    model.requires_grad_(False)
-    chosen = []
-    for attn in lazy_attention_modules(model):
-        if arm in ("lazy_only", "tau_only"):
-            chosen.append(attn.tau)
-        if arm in ("lazy_only", "bias_only"):
-            chosen.append(attn.distance_bias)
-    if arm == "vanilla_norms":
-        chosen = [p for n, p in model.named_parameters() if n.endswith("norm.weight")]
-    elif arm not in ARMS:
+    return [p for group in trainable_groups(model, arm) for p in group]
+
+
+def trainable_groups(model, arm: str) -> tuple[list[torch.nn.Parameter], list[torch.nn.Parameter]]:
+    """Freeze everything, then unfreeze what the arm trains: `(lazy parameters, RMSNorm weights)`."""
+    if arm not in ARMS:
         raise ValueError(f"unknown arm {arm!r}; choose from {ARMS}")
-    for param in chosen:
+    model.requires_grad_(False)
+    lazy = []
+    for attn in lazy_attention_modules(model):
+        if arm in ("lazy_only", "tau_only", "lazy_norms"):
+            lazy.append(attn.tau)
+        if arm in ("lazy_only", "bias_only", "lazy_norms"):
+            lazy.append(attn.distance_bias)
+    norms = [p for n, p in model.named_parameters() if n.endswith("norm.weight")] \
+        if arm in ("vanilla_norms", "lazy_norms") else []
+    for param in lazy + norms:
         param.requires_grad_(True)
-    return chosen
+    return lazy, norms
 
 
 def train_blocks(tokenizer, args) -> tuple[torch.Tensor, torch.Tensor]:
@@ -77,9 +84,9 @@ def train_blocks(tokenizer, args) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def finetune(model, arm: str, blocks, args, log) -> dict:
-    params = trainable(model, arm)
-    lr = args.norm_lr if arm == "vanilla_norms" else args.lazy_lr
-    opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
+    lazy, norms = trainable_groups(model, arm)
+    groups = [{"params": ps, "lr": lr, "base_lr": lr} for ps, lr in ((lazy, args.lazy_lr), (norms, args.norm_lr)) if ps]
+    opt = torch.optim.AdamW(groups, betas=(0.9, 0.95), weight_decay=0.0)
     ids, pos = blocks
     order = torch.randperm(ids.shape[0], generator=torch.Generator().manual_seed(args.seed))
     order = order[: args.steps * args.batch_size].view(args.steps, args.batch_size)
@@ -87,7 +94,7 @@ def finetune(model, arm: str, blocks, args, log) -> dict:
     losses, start = [], time.time()
     for step in range(args.steps):
         for group in opt.param_groups:
-            group["lr"] = lr * min(1.0, (step + 1) / args.warmup)
+            group["lr"] = group["base_lr"] * min(1.0, (step + 1) / args.warmup)
         input_ids, position_ids = ids[order[step]], pos[order[step]]
         labels = input_ids.masked_fill(position_ids == 0, -100)
         loss = model(input_ids=input_ids, position_ids=position_ids, labels=labels).loss
@@ -98,7 +105,8 @@ def finetune(model, arm: str, blocks, args, log) -> dict:
         log(f"  {arm} step {step + 1}/{args.steps} loss {losses[-1]:.4f} ({time.time() - start:.0f}s)")
     model.eval()
     model.requires_grad_(False)
-    return {"losses": losses, "lr": lr, "trained_parameters": sum(p.numel() for p in params),
+    return {"losses": losses, "lr": [group["base_lr"] for group in groups],
+            "trained_parameters": sum(p.numel() for p in lazy + norms),
             "train_seconds": time.time() - start}
 
 

@@ -53,6 +53,8 @@ def test_bias_tail_counts_entries_beyond_the_threshold(tmp_path):
     ("lazy_only", {"self_attn.tau", "self_attn.distance_bias"}), ("bias_only", {"self_attn.distance_bias"}),
     ("tau_only", {"self_attn.tau"}),
     ("vanilla_norms", {"input_layernorm.weight", "post_attention_layernorm.weight", "model.norm.weight"}),
+    ("lazy_norms", {"self_attn.tau", "self_attn.distance_bias", "input_layernorm.weight",
+                    "post_attention_layernorm.weight", "model.norm.weight"}),
 ])
 def test_lazify_arms_train_what_they_name(arm, expected):
     config = LazyLlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
