@@ -96,3 +96,26 @@ def test_lazify_summary_deltas_against_converted_and_best_control_and_pareto(tmp
     text = lazify_controls.write_summary(tmp_path)
     assert "| lazy_only | 7 | 37.000 | -7.50% | -2.63% |" in text
     assert (tmp_path / "pareto.png").stat().st_size > 0
+
+
+def test_lazify_finetune_moves_only_the_arms_parameters_each_at_its_rate(rng_seed):
+    import argparse
+
+    import torch
+
+    torch.manual_seed(rng_seed)
+    config = LazyLlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                             num_attention_heads=2, num_key_value_heads=1, lazy_bias_window=16)
+    model = LazyLlamaForCausalLM(config)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    args = argparse.Namespace(steps=2, batch_size=2, warmup=1, seed=rng_seed, lazy_lr=1e-2, norm_lr=1e-3)
+    blocks = (torch.randint(0, 64, (6, 12)), torch.arange(12).expand(6, 12).contiguous())
+    run = lazify_controls.finetune(model, "lazy_norms", blocks, args, log=lambda message: None)
+    assert run["lr"] == [1e-2, 1e-3] and len(run["losses"]) == 2
+    moved = {n for n, p in model.named_parameters() if not torch.equal(p, before[n])}
+    assert moved == {n for n in before if n.endswith(("tau", "distance_bias", "norm.weight"))}
+    # Adam's first steps move each parameter by about its own learning rate
+    tau_step = max((p - before[n]).abs().max().item() for n, p in model.named_parameters() if n.endswith("tau"))
+    norm_step = max((p - before[n]).abs().max().item() for n, p in model.named_parameters()
+                    if n.endswith("norm.weight"))
+    assert 5e-3 < tau_step <= 2.1e-2 and 5e-4 < norm_step <= 2.1e-3
