@@ -175,7 +175,8 @@ def summary_markdown(results: dict) -> str:
     rows = summary_points(results)
     cfg = results["config"]
     lines = [
-        f"Command: `{results['command']}`; code {results['code']}; torch {results['torch']}.",
+        "Commands: " + "; ".join(f"`{c}`" for c in results.get("commands", [results["command"]]))
+        + f". Code {results['code']}; torch {results['torch']}.",
         f"Scored: {rows[0]['tokens']:,} tokens ({cfg['eval_tokens']} per Brown-test document, context "
         f"{cfg['eval_context']}); attention figures on the first {cfg['stats_tokens']} tokens of "
         f"{cfg['stats_docs']} documents. Fine-tunes: {cfg['steps']} steps x {cfg['batch_size']} blocks of "
@@ -267,9 +268,12 @@ def main(argv=None) -> dict:
     args.out.mkdir(parents=True, exist_ok=True)
     saved = args.out / "results.json"
     results = json.loads(saved.read_text()) if saved.is_file() else {}
+    previous = results.get("commands") or ([results["command"]] if "command" in results else [])
     results.update({"config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
                     "code": code_version(), "command": "python -m lazy_tools.lazify_controls " + " ".join(argv),
                     "torch": torch.__version__})
+    # a resumed or extended run (e.g. `--arms lazy_norms` added later) keeps every command that wrote into `--out`
+    results["commands"] = [c for c in previous if c != results["command"]] + [results["command"]]
     results.setdefault("tau_sweep", {})
     results.setdefault("arms", {})
 
