@@ -269,6 +269,8 @@ def main(argv=None) -> dict:
     saved = args.out / "results.json"
     results = json.loads(saved.read_text()) if saved.is_file() else {}
     previous = results.get("commands") or ([results["command"]] if "command" in results else [])
+    for entry in [*results.get("tau_sweep", {}).values(), *results.get("arms", {}).values()]:
+        entry.setdefault("code", results["code"])  # entries written before the code was kept per entry
     results.update({"config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
                     "code": code_version(), "command": "python -m lazy_tools.lazify_controls " + " ".join(argv),
                     "torch": torch.__version__})
@@ -305,7 +307,7 @@ def main(argv=None) -> dict:
                         attn.tau.fill_(tau)
                 start = time.time()
                 results["tau_sweep"][key] = {"tau": tau, **evaluate(model, documents, args),
-                                             "eval_seconds": time.time() - start}
+                                             "eval_seconds": time.time() - start, "code": results["code"]}
                 res = results["tau_sweep"][key]
                 log(f"tau {tau:+.3f} (no training): ppl {res['perplexity']:.4f}, "
                     f"sparsity {res['attention']['sparsity']:.4f} (pooled {res['attention']['sparsity_pooled']:.4f})"
@@ -326,6 +328,7 @@ def main(argv=None) -> dict:
             run["eval"] = evaluate(model, documents, args)
             run["eval_seconds"] = time.time() - start
             run["learned"] = lazy_state(model)
+            run["code"] = results["code"]
             results["arms"][arm] = run
             ev = run["eval"]
             log(f"{arm}: ppl {ev['perplexity']:.4f}, sparsity {ev['attention']['sparsity']:.4f} "
