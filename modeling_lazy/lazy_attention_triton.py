@@ -1473,6 +1473,7 @@ def lazy_attention_triton_paged_decode(query, kv_cache, block_table, seq_lens, t
     Args:
         query: `[R, Hq, D]`, the token of request r at position `seq_lens[r] - 1` (its key already in the cache).
         kv_cache: one layer's `[num_blocks, Hkv, block_size, 2 D]`: K in the first D channels, V in the last D.
+            Or a `(key_cache, value_cache)` pair of `[num_blocks, Hkv, block_size, D]` views (any strides).
         block_table: `[R, max_blocks]` int32; key j of request r is in block `block_table[r, j // block_size]`,
             slot `j % block_size`.
         seq_lens: `[R]` keys per request (the new token's included); keys beyond them are never read.
@@ -1529,8 +1530,17 @@ def lazy_attention_triton_paged(query, kv_cache, block_table, query_start_loc, s
 
 
 def _cache_halves(query, kv_cache):
-    """`(K, V)` views `[num_blocks, Hkv, block_size, D]` of one layer's vLLM cache `[..., 2 D]` (K first)."""
+    """`(K, V)` views `[num_blocks, Hkv, block_size, D]` of one layer's vLLM cache: `[..., 2 D]` (K first), or a
+    `(key_cache, value_cache)` pair of such views with any strides but contiguous channels (e.g. pages that hold a
+    block's keys, then its values)."""
     dim = query.shape[-1]
+    if isinstance(kv_cache, (tuple, list)):
+        key, value = kv_cache
+        if key.shape != value.shape or key.dim() != 4 or key.shape[-1] != dim or key.stride(-1) != 1 \
+                or value.stride(-1) != 1:
+            raise ValueError(f"key/value caches must be [num_blocks, Hkv, block_size, {dim}] views with contiguous "
+                             f"channels, got shapes {tuple(key.shape)}, {tuple(value.shape)}")
+        return key, value
     if kv_cache.shape[-1] != 2 * dim or kv_cache.stride(-1) != 1:
         raise ValueError(f"kv_cache's last dim must hold K and V of head_dim {dim} ({2 * dim} contiguous channels), "
                          f"got shape {tuple(kv_cache.shape)}, strides {kv_cache.stride()}")

@@ -441,6 +441,11 @@ def paged_decode_matches_contiguous_and_reference(kernels):
         split, _ = kernels._packed_decode(query, cache[..., :dim], cache[..., dim:], tau, bias,
                                           (seq_lens - 1)[:, None], seq_lens, scaling, num_splits=3, block_table=table)
         assert out.shape == (requests, heads, dim) and out.dtype == dtype
+        # the same cache with pages that hold a block's keys, then its values, passed as a (K, V) pair of views
+        page_major = torch.cat([cache[..., :dim], cache[..., dim:]], dim=2)
+        halves = (page_major[:, :, :page], page_major[:, :, page:])
+        assert torch.equal(kernels.lazy_attention_triton_paged_decode(query[:, :, 0], halves, table, seq_lens, tau,
+                                                                      bias, scaling, max_seq_len=max_seq_len), out)
         name = f"{dtype}-d{dim}-page{page}"
         errors[name] = {"reference": relative_error(out, expected),
                         "contiguous": relative_error(out, contiguous[:, 0].double()),
@@ -528,6 +533,12 @@ def paged_prefill_mixed_batch(kernels):
                                                           bias, scaling, 1 if decode else case.max_query_len,
                                                           num_decodes=num_decodes)
                 assert out.shape == query.shape and out.dtype == case.dtype
+                if num_decodes:  # keys then values per page, as a (K, V) pair of views: the same result
+                    page_major = torch.cat([cache[..., :case.head_dim], cache[..., case.head_dim:]], dim=2)
+                    halves = (page_major[:, :, :case.page], page_major[:, :, case.page:])
+                    assert torch.equal(kernels.lazy_attention_triton_paged(
+                        query, halves, table, starts, torch.tensor(lengths), tau, bias, scaling, case.max_query_len,
+                        num_decodes=num_decodes), out)
                 for r, (q_len, length) in enumerate(requests):
                     rows = slice(starts[r], starts[r + 1])
                     k_pos = torch.arange(length)[None]
@@ -540,7 +551,7 @@ def paged_prefill_mixed_batch(kernels):
                     assert errors[label] < TOLERANCE[case.dtype], (label, errors)
     finally:
         kernels._gpu_family, kernels._paged_prefill, kernels._packed_decode = family, prefill, decode_kernels
-    assert calls == ["prefill", "decode", "decode", "prefill"] * len(PAGED_CASES), calls
+    assert calls == ["prefill", "decode", "decode", "prefill", "decode", "prefill"] * len(PAGED_CASES), calls
     return errors
 
 
