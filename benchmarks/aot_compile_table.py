@@ -29,8 +29,9 @@ ARCHS = (80, 90)
 HEAD_DIMS = (64, 128)
 _DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 _INPUT_POINTERS = {"Q", "K", "V", "OUT", "DO", "DQ", "DK", "DV"}
-_FLOAT32_POINTERS = {"TAU", "BIAS", "BAND", "LSE", "M_PART", "L_PART", "O_PART", "DELTA", "DTAU_PART", "DBIAS_PART"}
-_INT32_POINTERS = {"QPOS", "KPOS", "QSEG", "KSEG", "STATS"}
+_FLOAT32_POINTERS = {"TAU", "BIAS", "BAND", "LSE", "M_PART", "L_PART", "O_PART", "DELTA", "DTAU_PART", "DBIAS_PART",
+                     "SCORES", "LSE2"}
+_INT32_POINTERS = {"QPOS", "KPOS", "QSEG", "KSEG", "STATS", "KLEN", "BLOCK_TABLE", "QUERY_START", "TILES"}
 
 
 def load_kernels():
@@ -50,11 +51,16 @@ def load_kernels():
 @dataclass(frozen=True)
 class Build:
     kernel: str  # kernel function name in the module
-    kind: str  # fwd | decode | dq | dkdv (selects blocks and warps like the launchers do)
+    kind: str  # a `_CONFIGS` key: fwd | causal_fwd | decode | delta | dq | dkdv | causal_dq ... (blocks, warps)
     dtype: torch.dtype
     head_dim: int
     arch: int
     matmul: bool = True  # uses tl.dot (so sm_90 with 16-bit inputs must use wgmma)
+    page_size: int = 0  # PAGE_SIZE of the packed decode / paged prefill (> 0: K/V through a block table)
+
+    @property
+    def label(self) -> str:
+        return f"{self.kernel} ({self.kind}{f', paged {self.page_size}' if self.page_size else ''})"
 
 
 def shipped_builds(dtypes=(torch.bfloat16, torch.float16, torch.float32)) -> list[Build]:
@@ -64,12 +70,20 @@ def shipped_builds(dtypes=(torch.bfloat16, torch.float16, torch.float32)) -> lis
             for dim in HEAD_DIMS:
                 builds += [Build("_lazy_fwd_kernel", "fwd", dtype, dim, arch),
                            Build("_lazy_causal_fwd_kernel", "causal_fwd", dtype, dim, arch),
+                           Build("_lazy_paged_fwd_kernel", "paged_fwd", dtype, dim, arch, page_size=16),
                            Build("_lazy_fwd_kernel", "decode", dtype, dim, arch),
                            Build("_lazy_fwd_split_lse_kernel", "decode", dtype, dim, arch),
                            Build("_lazy_fwd_split_out_kernel", "decode", dtype, dim, arch),
+                           Build("_lazy_decode_lse_kernel", "packed_decode", dtype, dim, arch),
+                           Build("_lazy_decode_out_kernel", "packed_decode", dtype, dim, arch),
+                           Build("_lazy_decode_lse_kernel", "packed_decode", dtype, dim, arch, page_size=16),
+                           Build("_lazy_decode_out_kernel", "packed_decode", dtype, dim, arch, page_size=16),
                            Build("_lazy_bwd_delta_kernel", "delta", dtype, dim, arch),
                            Build("_lazy_bwd_dq_kernel", "dq", dtype, dim, arch),
-                           Build("_lazy_bwd_dkdv_kernel", "dkdv", dtype, dim, arch)]
+                           Build("_lazy_bwd_dkdv_kernel", "dkdv", dtype, dim, arch),
+                           Build("_lazy_causal_bwd_delta_kernel", "causal_delta", dtype, dim, arch),
+                           Build("_lazy_causal_bwd_dq_kernel", "causal_dq", dtype, dim, arch),
+                           Build("_lazy_causal_bwd_dkdv_kernel", "causal_dkdv", dtype, dim, arch)]
     return builds
 
 
@@ -80,7 +94,8 @@ def _family(build: Build) -> str:
 def _constexprs(module, build: Build) -> dict:
     block_m, block_n, _, _ = module._config(build.kind, max(16, build.head_dim), _family(build))
     return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=max(16, build.head_dim), D=build.head_dim,
-                SKIP=True, WITH_STATS=False, UPCAST=False, PRECISION=module._DOT_PRECISION[build.dtype])
+                SKIP=True, WITH_STATS=False, UPCAST=False, PRECISION=module._DOT_PRECISION[build.dtype],
+                PAGE_SIZE=build.page_size)
 
 
 def aot_compile(fn, pointer_types: dict, constexprs: dict, arch: int, num_warps: int, num_stages: int):
@@ -171,7 +186,7 @@ def markdown_table(rows) -> str:
         c = _constexprs(module, build)
         warps = module._config(build.kind, c["BLOCK_D"], _family(build))[2]
         wgmma = ("yes" if usage["wgmma"] else "no") if build.arch >= 90 else "n/a"
-        lines.append(f"| {build.kernel} ({build.kind}) | {c['BLOCK_M']} x {c['BLOCK_N']} | {warps} | "
+        lines.append(f"| {build.label} | {c['BLOCK_M']} x {c['BLOCK_N']} | {warps} | "
                      f"{_DTYPE_NAMES[build.dtype]} | {build.head_dim} | sm_{build.arch} | {usage['registers']} | "
                      f"{usage['shared']} | {usage['spill']} | {wgmma} |")
     return "\n".join(lines)

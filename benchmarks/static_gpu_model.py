@@ -392,6 +392,33 @@ def _lazy_causal_fwd_work(p: Problem, blocks, sms):
     return Work(bh * len(ranges), per_loop * 2, qkvo + 4 * bh * p.length, (bm, bn))
 
 
+def _lazy_causal_bwd_query_work(p: Problem, blocks, sms, writes_dq: bool):
+    """Causal Delta / dq kernels: one query tile per program, the forward's three key ranges."""
+    bm, bn = blocks
+    ranges = [_causal_ranges(p, m * bm, bm, bn) for m in range(_cdiv(p.length, bm))]
+    bh = p.batch * p.heads
+    elements = bh * p.length * p.dim * (3 if writes_dq else 2) + 2 * p.batch * p.kv_heads * p.length * p.dim
+    return Work(bh * len(ranges), [bh * sum(r[i] for r in ranges) for i in range(3)], _bytes(elements), (bm, bn))
+
+
+def _lazy_causal_dkdv_work(p: Problem, blocks, sms):
+    """Causal dk/dv: one key tile of one query head per program; query tiles at the causal limit, inside the bias
+    window, beyond it (`_lazy_causal_bwd_dkdv_kernel`'s bounds)."""
+    bm, bn = blocks
+    loops = [0, 0, 0]
+    for n in range(_cdiv(p.length, bn)):
+        n0 = n * bn
+        start = n0 // bm * bm
+        near = max(start, _cdiv(n0 + bn - 1, bm) * bm)
+        far = max(near, _cdiv(n0 + bn - 1 + p.window, bm) * bm)
+        bounds = (start, min(near, p.length), near, min(far, p.length), far, p.length)
+        for i in range(3):
+            loops[i] += max(0, _cdiv(bounds[2 * i + 1] - bounds[2 * i], bm))
+    bh = p.batch * p.heads
+    elements = 2 * bh * p.length * p.dim + 4 * p.batch * p.kv_heads * p.length * p.dim
+    return Work(bh * _cdiv(p.length, bn), [bh * n for n in loops], _bytes(elements), (bn, bm))
+
+
 def _lazy_decode_work(p: Problem, blocks, sms):
     """`_lazy_fwd_kernel` with the decode blocks - pass 1 reads K, pass 2 re-reads K and V.
 
@@ -405,6 +432,45 @@ def _lazy_decode_work(p: Problem, blocks, sms):
     kv = p.batch * p.kv_heads * p.length * p.dim
     return Work(bh, [bh * tiles] * 2, _bytes(3 * kv), (bm, bn))
 
+
+
+def _packed_decode_plan(p: Problem, blocks, sms):
+    """`(programs, splits, keys per split)` of the packed decode (its launcher, `_packed_decode`, one query row)."""
+    bm, bn = blocks
+    programs = p.batch * p.kv_heads * _cdiv(p.groups, bm)
+    splits = 1 if programs >= sms else max(1, min(_cdiv(2 * sms, programs), p.length // 256))
+    keys_per_split = _cdiv(_cdiv(p.length, splits), bn) * bn
+    return programs, _cdiv(p.length, keys_per_split), keys_per_split
+
+
+def _packed_decode_loops(p: Problem, bn: int, splits: int, keys_per_split: int, far: int) -> list:
+    """Key tiles of the two loops (below `far`, from `far` on), summed over the splits of one program row."""
+    below = sum(len(range(s * keys_per_split, min((s + 1) * keys_per_split, p.length, far), bn))
+                for s in range(splits))
+    return [below, _cdiv(p.length, bn) - below]
+
+
+def _lazy_decode_lse_work(p: Problem, blocks, sms):
+    """Packed decode pass 1: reads K once per KV head, writes the float32 scores of the G real rows per key."""
+    _, bn = blocks
+    programs, splits, keys_per_split = _packed_decode_plan(p, blocks, sms)
+    far = max(p.length - p.window, 0) // bn * bn  # keys >= W behind the row: no bias
+    loops = _packed_decode_loops(p, bn, splits, keys_per_split, far)
+    kv = p.batch * p.kv_heads * p.length * p.dim
+    scores = 4 * p.batch * p.heads * p.length
+    return Work(programs * splits, [programs * n for n in loops], _bytes(kv) + scores + 4 * 2 * splits * p.batch
+                * p.heads, blocks)
+
+
+def _lazy_decode_out_work(p: Problem, blocks, sms):
+    """Packed decode pass 2: reads the kept scores and V (all tiles live: the dense worst case), writes float32
+    partial outputs that the combine reads back."""
+    _, bn = blocks
+    programs, splits, _ = _packed_decode_plan(p, blocks, sms)
+    kv = p.batch * p.kv_heads * p.length * p.dim
+    scores = 4 * p.batch * p.heads * p.length
+    partials = 4 * 2 * splits * p.batch * p.heads * p.dim
+    return Work(programs * splits, [programs * _cdiv(p.length, bn)], _bytes(kv) + scores + partials, blocks)
 
 def _lazy_bwd_query_work(p: Problem, blocks, sms, writes_dq: bool):
     """Delta / dq kernels: one query tile per program over the causally needed key tiles."""
@@ -473,6 +539,16 @@ LAZY_GENERAL = {
 LAZY_FAST = {
     **LAZY_GENERAL,
     "fwd": KernelSpec("lazy fwd (causal)", "lazy", "_lazy_causal_fwd_kernel", "causal_fwd", _lazy_causal_fwd_work),
+    "decode_lse": KernelSpec("lazy packed decode pass 1", "lazy", "_lazy_decode_lse_kernel", "packed_decode",
+                             _lazy_decode_lse_work),
+    "decode_out": KernelSpec("lazy packed decode pass 2", "lazy", "_lazy_decode_out_kernel", "packed_decode",
+                             _lazy_decode_out_work),
+    "delta": KernelSpec("lazy bwd Delta (causal)", "lazy", "_lazy_causal_bwd_delta_kernel", "causal_delta",
+                        partial(_lazy_causal_bwd_query_work, writes_dq=False)),
+    "dq": KernelSpec("lazy bwd dq (causal)", "lazy", "_lazy_causal_bwd_dq_kernel", "causal_dq",
+                     partial(_lazy_causal_bwd_query_work, writes_dq=True)),
+    "dkdv": KernelSpec("lazy bwd dk/dv (causal)", "lazy", "_lazy_causal_bwd_dkdv_kernel", "causal_dkdv",
+                       _lazy_causal_dkdv_work),
 }
 FA2 = {
     "fwd": KernelSpec("FA2-style fwd", "fa2", "_fa2_fwd_kernel", "fwd", _fa2_fwd_work),
@@ -483,7 +559,8 @@ FA2 = {
 # Scenario -> kernels run, for each implementation
 SCENARIOS = {
     "lazy (general)": {"forward": ["fwd"], "training": ["fwd", "delta", "dq", "dkdv"], "decode": ["decode"]},
-    "lazy (causal fast path)": {"forward": ["fwd"], "training": ["fwd", "delta", "dq", "dkdv"], "decode": ["decode"]},
+    "lazy (causal fast path)": {"forward": ["fwd"], "training": ["fwd", "delta", "dq", "dkdv"],
+                                "decode": ["decode_lse", "decode_out"]},
     "FA2-style": {"forward": ["fwd"], "training": ["fwd", "preprocess", "bwd"], "decode": ["decode"]},
 }
 IMPLEMENTATIONS = {"lazy (general)": LAZY_GENERAL, "lazy (causal fast path)": LAZY_FAST, "FA2-style": FA2}
@@ -602,7 +679,7 @@ def build_report(archs, dims, workers) -> dict:
     for (spec, arch, dim), code in codes.items():
         impl, key = specs[spec]
         block_m, block_n, warps, stages = blocks_of(spec, arch, dim)
-        work = spec.work(prefill_problem(4096, dim) if key != "decode" else decode_problem(32768, dim),
+        work = spec.work(prefill_problem(4096, dim) if not key.startswith("decode") else decode_problem(32768, dim),
                          (block_m, block_n), MACHINES[arch].sms)
         loops = []
         for index, loop in enumerate(code.loops):

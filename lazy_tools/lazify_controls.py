@@ -10,7 +10,9 @@ Arms (each starts from the same converted model, sees the same Brown-train block
 - `tau_only`:     tau trained, distance_bias frozen at 0;
 - `vanilla_norms`: tau = distance_bias = 0 frozen (the model *is* the Llama), the RMSNorm weights trained instead
   (30 x 2 x 576 + 576 = 35k parameters; the lazy arms train 30 x 9 x (1 + W) of which 30 x 9 x 257 = 69k receive
-  gradients at block length 256): a vanilla fine-tune of comparable size.
+  gradients at block length 256): a vanilla fine-tune of comparable size;
+- `lazy_norms`:   tau, distance_bias and the RMSNorm weights together (what lazification costs on top of that
+  vanilla fine-tune: the same norms, the same steps, plus exact zeros).
 
 Baseline without training: the converted model with one uniform tau for every head (`--tau-sweep`).
 
@@ -18,7 +20,9 @@ Evaluation (every arm and every tau): all 50 Brown-test documents, the first `--
 scored with `lazy_tools.metrics.perplexity` (context 512, so each document is one window; every token after
 the first is scored); perplexity pooled over documents. Attention statistics (`attention_statistics` and the
 pooled figures) on the first `--stats-tokens` tokens of the first `--stats-docs` documents.
-Writes `results.json` (after every evaluation) and `log.txt` under `--out`.
+Writes `results.json` (after every evaluation) and `log.txt` under `--out`; at the end (or alone, with
+`--summary-only`) `summary.md` (the table and the Pareto front of sparsity against perplexity change) and
+`pareto.png`.
 """
 
 import argparse
@@ -40,25 +44,31 @@ from lazy_tools.metrics import (
 from lazy_tools.replicate import code_version
 from modeling_lazy import lazy_attention_modules
 
-ARMS = ("lazy_only", "vanilla_norms", "bias_only", "tau_only")
+ARMS = ("lazy_only", "vanilla_norms", "bias_only", "tau_only", "lazy_norms")
+CONTROLS = ("bias_only", "vanilla_norms")  # fine-tunes that cannot make exact zeros (tau stays 0)
 
 
 def trainable(model, arm: str) -> list[torch.nn.Parameter]:
     """Freeze everything, then unfreeze what the arm trains; returns those parameters."""
-    model.requires_grad_(False)
-    chosen = []
-    for attn in lazy_attention_modules(model):
-        if arm in ("lazy_only", "tau_only"):
-            chosen.append(attn.tau)
-        if arm in ("lazy_only", "bias_only"):
-            chosen.append(attn.distance_bias)
-    if arm == "vanilla_norms":
-        chosen = [p for n, p in model.named_parameters() if n.endswith("norm.weight")]
-    elif arm not in ARMS:
+    return [p for group in trainable_groups(model, arm) for p in group]
+
+
+def trainable_groups(model, arm: str) -> tuple[list[torch.nn.Parameter], list[torch.nn.Parameter]]:
+    """Freeze everything, then unfreeze what the arm trains: `(lazy parameters, RMSNorm weights)`."""
+    if arm not in ARMS:
         raise ValueError(f"unknown arm {arm!r}; choose from {ARMS}")
-    for param in chosen:
+    model.requires_grad_(False)
+    lazy = []
+    for attn in lazy_attention_modules(model):
+        if arm in ("lazy_only", "tau_only", "lazy_norms"):
+            lazy.append(attn.tau)
+        if arm in ("lazy_only", "bias_only", "lazy_norms"):
+            lazy.append(attn.distance_bias)
+    norms = [p for n, p in model.named_parameters() if n.endswith("norm.weight")] \
+        if arm in ("vanilla_norms", "lazy_norms") else []
+    for param in lazy + norms:
         param.requires_grad_(True)
-    return chosen
+    return lazy, norms
 
 
 def train_blocks(tokenizer, args) -> tuple[torch.Tensor, torch.Tensor]:
@@ -74,9 +84,9 @@ def train_blocks(tokenizer, args) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def finetune(model, arm: str, blocks, args, log) -> dict:
-    params = trainable(model, arm)
-    lr = args.norm_lr if arm == "vanilla_norms" else args.lazy_lr
-    opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
+    lazy, norms = trainable_groups(model, arm)
+    groups = [{"params": ps, "lr": lr, "base_lr": lr} for ps, lr in ((lazy, args.lazy_lr), (norms, args.norm_lr)) if ps]
+    opt = torch.optim.AdamW(groups, betas=(0.9, 0.95), weight_decay=0.0)
     ids, pos = blocks
     order = torch.randperm(ids.shape[0], generator=torch.Generator().manual_seed(args.seed))
     order = order[: args.steps * args.batch_size].view(args.steps, args.batch_size)
@@ -84,7 +94,7 @@ def finetune(model, arm: str, blocks, args, log) -> dict:
     losses, start = [], time.time()
     for step in range(args.steps):
         for group in opt.param_groups:
-            group["lr"] = lr * min(1.0, (step + 1) / args.warmup)
+            group["lr"] = group["base_lr"] * min(1.0, (step + 1) / args.warmup)
         input_ids, position_ids = ids[order[step]], pos[order[step]]
         labels = input_ids.masked_fill(position_ids == 0, -100)
         loss = model(input_ids=input_ids, position_ids=position_ids, labels=labels).loss
@@ -95,7 +105,8 @@ def finetune(model, arm: str, blocks, args, log) -> dict:
         log(f"  {arm} step {step + 1}/{args.steps} loss {losses[-1]:.4f} ({time.time() - start:.0f}s)")
     model.eval()
     model.requires_grad_(False)
-    return {"losses": losses, "lr": lr, "trained_parameters": sum(p.numel() for p in params),
+    return {"losses": losses, "lr": [group["base_lr"] for group in groups],
+            "trained_parameters": sum(p.numel() for p in lazy + norms),
             "train_seconds": time.time() - start}
 
 
@@ -124,6 +135,106 @@ def lazy_state(model) -> dict:
             "distance_bias_first16": [m.distance_bias[:, :16].tolist() for m in modules]}
 
 
+def summary_points(results: dict) -> list[dict]:
+    """One row per evaluated model: the no-training tau sweep, then the fine-tuned arms. Perplexity changes are
+    relative to the converted model (tau = 0, no training) and to the best control arm (the lower perplexity of
+    `CONTROLS`, when one has run); `pareto` marks rows no other row beats on both sparsity and perplexity."""
+    base = results["tau_sweep"].get("0")
+    controls = [results["arms"][a]["eval"]["perplexity"] for a in CONTROLS if a in results["arms"]]
+    best_control = min(controls) if controls else None
+    rows = []
+    for key, res in sorted(results["tau_sweep"].items(), key=lambda kv: -kv[1]["tau"]):
+        rows.append({"name": f"no training, tau = {res['tau']:g}", "kind": "sweep", **_row(res)})
+    for arm in ARMS:
+        if arm in results["arms"]:
+            run = results["arms"][arm]
+            rows.append({"name": arm, "kind": "control" if arm in CONTROLS else "lazy", **_row(run["eval"]),
+                         "trained_parameters": run["trained_parameters"], "steps": len(run["losses"])})
+    for row in rows:
+        row["d_converted"] = row["perplexity"] / base["perplexity"] - 1 if base else None
+        row["d_best_control"] = row["perplexity"] / best_control - 1 if best_control else None
+    for row in rows:
+        row["pareto"] = not any(other["sparsity_pooled"] >= row["sparsity_pooled"]
+                                and other["perplexity"] <= row["perplexity"]
+                                and (other["sparsity_pooled"], other["perplexity"])
+                                != (row["sparsity_pooled"], row["perplexity"]) for other in rows)
+    return rows
+
+
+def _row(evaluation: dict) -> dict:
+    att = evaluation["attention"]
+    return {"perplexity": evaluation["perplexity"], "tokens": evaluation["tokens"], "sparsity": att["sparsity"],
+            "sparsity_pooled": att["sparsity_pooled"], "removed_mass": att["removed_mass"],
+            "sink_share": att["sink_share"]}
+
+
+def summary_markdown(results: dict) -> str:
+    def pct(value, signed=True):
+        return "-" if value is None else (f"{100 * value:+.2f}%" if signed else f"{100 * value:.1f}%")
+
+    rows = summary_points(results)
+    cfg = results["config"]
+    lines = [
+        "Commands: " + "; ".join(f"`{c}`" for c in results.get("commands", [results["command"]]))
+        + f". Code {results['code']}; torch {results['torch']}.",
+        f"Scored: {rows[0]['tokens']:,} tokens ({cfg['eval_tokens']} per Brown-test document, context "
+        f"{cfg['eval_context']}); attention figures on the first {cfg['stats_tokens']} tokens of "
+        f"{cfg['stats_docs']} documents. Fine-tunes: {cfg['steps']} steps x {cfg['batch_size']} blocks of "
+        f"{cfg['block_size']} Brown-train tokens, same blocks and order for every arm (seed {cfg['seed']}).",
+        "d ppl: relative to the converted model (tau = 0, no training) and to the best control "
+        f"({' / '.join(CONTROLS)}: fine-tunes without exact zeros). Sparsity: per-row mean / pooled (zeros over "
+        "all visible pairs). Sink share: weight on the first token as a share of each row's surviving mass. "
+        "Pareto: no other row has both more (pooled) sparsity and lower perplexity.",
+        "",
+        "| model | trained params | ppl | d ppl vs converted | d ppl vs best control | sparsity (row mean) "
+        "| sparsity (pooled) | removed mass | sink share | Pareto |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        trained = f"{row['trained_parameters']:,}" if "trained_parameters" in row else "0"
+        lines.append(f"| {row['name']} | {trained} | {row['perplexity']:.3f} | {pct(row['d_converted'])} "
+                     f"| {pct(row['d_best_control'])} | {pct(row['sparsity'], False)} "
+                     f"| {pct(row['sparsity_pooled'], False)} | {row['removed_mass']:.3f} "
+                     f"| {row['sink_share']:.4f} | {'yes' if row['pareto'] else ''} |")
+    return "\n".join(lines) + "\n"
+
+
+def pareto_plot(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = summary_points(results)
+    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    sweep = [r for r in rows if r["kind"] == "sweep"]
+    ax.plot([100 * r["sparsity_pooled"] for r in sweep], [100 * r["d_converted"] for r in sweep], "o-",
+            color="grey", label="no training, uniform tau")
+    for r in sweep:
+        ax.annotate(r["name"].split("= ")[-1], (100 * r["sparsity_pooled"], 100 * r["d_converted"]), fontsize=7,
+                    textcoords="offset points", xytext=(3, 3))
+    for r in rows:
+        if r["kind"] != "sweep":
+            ax.plot(100 * r["sparsity_pooled"], 100 * r["d_converted"], "s" if r["kind"] == "control" else "D",
+                    label=f"{r['name']} ({r['steps']} steps)")
+    ax.axhline(0, color="black", lw=0.5)
+    ax.set_xlabel("attention sparsity, pooled (%)")
+    ax.set_ylabel("perplexity change vs converted model (%)")
+    ax.set_title("SmolLM2-135M lazification on Brown: sparsity against perplexity")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def write_summary(out: Path) -> str:
+    results = json.loads((out / "results.json").read_text())
+    text = summary_markdown(results)
+    (out / "summary.md").write_text(text)
+    pareto_plot(results, out / "pareto.png")
+    return text
+
+
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -142,20 +253,29 @@ def parse_args(argv=None):
     parser.add_argument("--stats-docs", type=int, default=4)
     parser.add_argument("--stats-tokens", type=int, default=256)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--summary-only", action="store_true", help="rewrite summary.md / pareto.png and exit")
     return parser.parse_args(argv)
 
 
 def main(argv=None) -> dict:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parse_args(argv)
+    if args.summary_only:
+        print(write_summary(args.out))
+        return json.loads((args.out / "results.json").read_text())
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     args.out.mkdir(parents=True, exist_ok=True)
     saved = args.out / "results.json"
     results = json.loads(saved.read_text()) if saved.is_file() else {}
+    previous = results.get("commands") or ([results["command"]] if "command" in results else [])
+    for entry in [*results.get("tau_sweep", {}).values(), *results.get("arms", {}).values()]:
+        entry.setdefault("code", results["code"])  # entries written before the code was kept per entry
     results.update({"config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
                     "code": code_version(), "command": "python -m lazy_tools.lazify_controls " + " ".join(argv),
                     "torch": torch.__version__})
+    # a resumed or extended run (e.g. `--arms lazy_norms` added later) keeps every command that wrote into `--out`
+    results["commands"] = [c for c in previous if c != results["command"]] + [results["command"]]
     results.setdefault("tau_sweep", {})
     results.setdefault("arms", {})
 
@@ -187,7 +307,7 @@ def main(argv=None) -> dict:
                         attn.tau.fill_(tau)
                 start = time.time()
                 results["tau_sweep"][key] = {"tau": tau, **evaluate(model, documents, args),
-                                             "eval_seconds": time.time() - start}
+                                             "eval_seconds": time.time() - start, "code": results["code"]}
                 res = results["tau_sweep"][key]
                 log(f"tau {tau:+.3f} (no training): ppl {res['perplexity']:.4f}, "
                     f"sparsity {res['attention']['sparsity']:.4f} (pooled {res['attention']['sparsity_pooled']:.4f})"
@@ -208,6 +328,7 @@ def main(argv=None) -> dict:
             run["eval"] = evaluate(model, documents, args)
             run["eval_seconds"] = time.time() - start
             run["learned"] = lazy_state(model)
+            run["code"] = results["code"]
             results["arms"][arm] = run
             ev = run["eval"]
             log(f"{arm}: ppl {ev['perplexity']:.4f}, sparsity {ev['attention']['sparsity']:.4f} "
@@ -216,6 +337,7 @@ def main(argv=None) -> dict:
         sweep([tau for tau in args.tau_sweep if tau != 0])  # after the arms (they are the comparison asked for)
         results["finished"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
         save()
+    print(write_summary(args.out))
     return results
 
 

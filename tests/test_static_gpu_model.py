@@ -1,9 +1,9 @@
 """Smoke test of the static GPU model (benchmarks/static_gpu_model.py): parser, counts, and its yardstick.
 
 The full model compiles ~50 kernels (minutes); here: the SASS parser on a hand-written listing, one real
-sm_90 build per kernel family whose counts must come out as the kernel's source says, and the
-FlashAttention-2-style reference kernels against PyTorch under the Triton interpreter (so the yardstick
-computes attention, not something cheaper).
+sm_90 build per kernel family whose counts must come out as the kernel's source says (the packed decode's two
+passes against the FA2-style decode), and the FlashAttention-2-style reference kernels against PyTorch under the
+Triton interpreter (so the yardstick computes attention, not something cheaper).
 """
 
 import os
@@ -90,6 +90,38 @@ def test_causal_fast_path_forward_stays_near_the_yardstick():
         block_m, block_n, _, _ = model.blocks_of(spec, 90, 64)
         times[spec.label] = model.kernel_time(kernel, spec.work(problem, (block_m, block_n), 132), 90)["seconds"]
     assert times[fast.label] < 2.2 * times[fa2.label], times
+
+
+def test_packed_decode_stays_near_the_yardstick():
+    """The packed decode's two passes at sm_90, D 64 (where the kept scores weigh most against K): every loop
+    pipelines its loads, no spills, and the modelled decode at 32k keys is within 1.2x the FA2-style one."""
+    codes = {}
+    for spec in (model.LAZY_FAST["decode_lse"], model.LAZY_FAST["decode_out"], model.FA2["decode"]):
+        codes[(spec, 90, 64)] = model.analyse(spec.label, model.compile_spec(spec, 90, 64), 90)
+    lazy = [codes[(model.LAZY_FAST[key], 90, 64)] for key in ("decode_lse", "decode_out")]
+    assert [code.spill for code in lazy] == [0, 0] and [len(code.loops) for code in lazy] == [2, 1]
+    assert all(loop.counts.get("async_copy", 0) > 0 for code in lazy for loop in code.loops)
+    assert lazy[0].loops[0].counts.get("ldg", 0) == 0  # beyond the bias window nothing is read per key
+    problem = model.decode_problem(32768, 64)
+    ratio = (model.scenario_time("lazy (causal fast path)", "decode", codes, problem, 90)
+             / model.scenario_time("FA2-style", "decode", codes, problem, 90))
+    assert ratio <= 1.2, ratio
+
+
+def test_causal_fast_path_backward_pipelines_without_per_score_atomics():
+    """The causal backward kernels at sm_90, D 64: three loops each (beyond the window, inside it, at the causal
+    limit), pipelined loads in every loop, no spills, and the bias gradient's atomics (dq kernel, bias loops only)
+    far below the general dk/dv kernel's one per score element."""
+    problem = model.prefill_problem(4096, 64)
+    for key in ("delta", "dq", "dkdv"):
+        spec = model.LAZY_FAST[key]
+        code = model.analyse(spec.label, model.compile_spec(spec, 90, 64), 90)
+        block_m, block_n, _, _ = model.blocks_of(spec, 90, 64)
+        work = spec.work(problem, (block_m, block_n), 132)
+        assert code.spill == 0 and len(code.loops) == len(work.iterations) == 3, key
+        assert all(loop.counts.get("async_copy", 0) > 0 for loop in code.loops), key
+        atomics = [model.per_element(code, i, work.tile)["atomic"] for i in range(3)]
+        assert atomics[0] == 0 and max(atomics) <= (0.1 if key == "dq" else 0), (key, atomics)
 
 
 def test_fa2_reference_kernels_compute_attention():

@@ -1,7 +1,8 @@
 """Every Triton kernel compiles ahead of time for sm_80 and sm_90 at its shipped blocks, without spills.
 
 No GPU is needed: the triton wheel ships ptxas and cuobjdump (BENCHMARKS.md). The default run compiles the
-bfloat16 builds (7 kernels, 8 block kinds x head dims 64/128 x 2 GPU families = 32 compiles, ~3-4 min on 2 cores).
+bfloat16 builds (13 kernels, 14 block kinds, the packed decode and the paged prefill also paged, x head dims 64/128 x
+2 GPU families = 64 compiles, ~6 min on 2 cores).
 With LAZY_AOT_ALL_DTYPES=1 the float16 builds (same lowering, also spill-free) and the float32 builds
 (IEEE float32 dots: the exact path for checks, not tuned, so they spill: not checked for spills) run
 too (~7 min more). `python benchmarks/aot_compile_table.py` prints the same facts as a table; every test checks
@@ -18,7 +19,7 @@ pytest.importorskip("triton")
 
 from benchmarks.aot_compile_table import ARCHS, HEAD_DIMS, compile_all, markdown_table, shipped_builds  # noqa: E402
 
-DECODE_KERNELS = ("decode",)  # 16-row tiles: below wgmma's 64-row minimum, and bandwidth-bound anyway
+DECODE_KERNELS = ("decode", "packed_decode")  # 16-row tiles: below wgmma's 64-row minimum, and bandwidth-bound anyway
 
 
 def _check(rows):
@@ -42,14 +43,14 @@ def _check_table(rows):
     assert len(lines) == len(rows)
     for (build, usage, _), line in zip(rows, lines):
         cells = [cell.strip() for cell in line.strip("|").split("|")]
-        assert cells[0] == f"{build.kernel} ({build.kind})" and cells[5] == f"sm_{build.arch}", line
+        assert cells[0] == build.label and cells[5] == f"sm_{build.arch}", line
         assert (int(cells[6]), int(cells[8])) == (usage["registers"], usage["spill"]), line
 
 
 def test_every_kernel_compiles_for_sm80_and_sm90_without_spills():
     rows = compile_all(shipped_builds((torch.bfloat16,)), workers=min(4, os.cpu_count() or 1))
-    assert len({b.kernel for b, _, _ in rows}) == 7  # the forward kernel ships prefill and decode blocks
-    assert len({(b.kernel, b.kind) for b, _, _ in rows}) == 8 and {b.arch for b, _, _ in rows} == set(ARCHS)
+    assert len({b.kernel for b, _, _ in rows}) == 13  # the forward kernel ships prefill and decode blocks
+    assert len({(b.kernel, b.kind) for b, _, _ in rows}) == 14 and {b.arch for b, _, _ in rows} == set(ARCHS)
     assert {b.head_dim for b, _, _ in rows} == set(HEAD_DIMS)
     _check(rows)
 

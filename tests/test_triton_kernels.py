@@ -20,6 +20,7 @@ The tau and distance_bias gradients come from float32 sums of dS and are held to
 import json
 import math
 import os
+import random
 import subprocess
 import sys
 import time
@@ -269,24 +270,288 @@ def dead_rows_and_longer_key_buffer(kernels):
     return errors
 
 
+CAUSAL_CASES = {  # (dtype, batch, heads, kv_heads, q_len, k_len, head_dim, window, tau, GPU family of the blocks)
+    "three-ranges-gqa2-odd-fp32": (torch.float32, 1, 4, 2, 301, 301, 64, 16, TAU_MIXED[:4], "sm90"),
+    "window-long-gqa2-fp16": (torch.float16, 2, 4, 2, 90, 90, 64, 128, TAU_MIXED[:4], "sm90"),
+    "gqa3-d128-odd-fp32": (torch.float32, 1, 3, 1, 77, 77, 128, 20, TAU_MIXED[:3], "sm90"),
+    "after-cache-d128-bf16": (torch.bfloat16, 2, 2, 1, 40, 100, 128, 24, TAU_MIXED[:2], "sm90"),
+    "sm80-blocks-odd-fp32": (torch.float32, 1, 2, 1, 157, 157, 64, 40, [-1.0, 0.4], "sm80"),
+}
+
+
 def causal_fast_path(kernels):
-    """The causal fast-path forward (plain causal metadata), backward through the general kernels, against the
-    float64 reference: a window short enough for all three key ranges (beyond the window, inside it, at the causal
-    limit), an odd length, GQA, tau of both signs, and a chunked prefill after cached keys (key offset) at D 128."""
+    """The causal fast path, forward and backward (plain causal metadata), against the float64 reference: windows
+    short enough for all three key ranges (beyond the window, inside it, at the causal limit) and longer than the
+    sequence, odd lengths, GQA, tau of both signs, D 64 and 128, a chunked prefill after cached keys (key offset),
+    and both block tables."""
     calls = []
-    original = kernels._causal_forward
-    kernels._causal_forward = lambda *args: calls.append(1) or original(*args)
+    forward, backward, family = kernels._causal_forward, kernels._causal_backward, kernels._gpu_family
+    kernels._causal_forward = lambda *args: calls.append("forward") or forward(*args)
+    kernels._causal_backward = lambda *args: calls.append("backward") or backward(*args)
     try:
         errors = {}
-        for name, (dtype, bsz, heads, kv_heads, q_len, k_len, dim, window, tau) in {
-            "three-ranges-gqa2-fp32": (torch.float32, 1, 4, 2, 300, 300, 64, 16, TAU_MIXED[:4]),
-            "after-cache-d128-bf16": (torch.bfloat16, 2, 2, 1, 40, 100, 128, 24, TAU_MIXED[:2]),
-        }.items():
+        for name, (dtype, bsz, heads, kv_heads, q_len, k_len, dim, window, tau, blocks) in CAUSAL_CASES.items():
+            kernels._gpu_family = lambda device, blocks=blocks: blocks
             inputs = make_inputs(bsz, heads, kv_heads, q_len, k_len, dim, window, dtype, tau)
             errors[name] = check(kernels, inputs, metadata(bsz, q_len, k_len), dtype, causal=True)
     finally:
-        kernels._causal_forward = original
+        kernels._causal_forward, kernels._causal_backward, kernels._gpu_family = forward, backward, family
+    assert calls == ["forward", "backward"] * len(CAUSAL_CASES), calls
+    return errors
+
+
+def fresh_seed() -> int:
+    """A fresh seed for one check, or `$LAZY_TEST_SEED` (conftest's replay variable, which reaches the child) to
+    replay it; the checks that use it name it in their failure messages."""
+    from conftest import SEED_ENV  # tests/ is on the child's path (this file runs as a script there)
+
+    chosen = os.environ.get(SEED_ENV, "").strip()
+    return int(chosen) if chosen else random.SystemRandom().randrange(2**31 - 1)
+
+
+class DecodeCase(NamedTuple):
+    """One packed-decode comparison: key lengths per batch row in a longer cache (the rest NaN), positions offset
+    by `shift[b]` (n_i = q_pos + 1 changes, distances do not)."""
+
+    dtype: torch.dtype
+    heads: int
+    kv_heads: int
+    q_len: int
+    head_dim: int
+    window: int
+    tau: list[float]
+    lengths: list[int]  # keys per batch row
+    capacity: int  # cache length (>= every key length)
+    shift: list[int]  # position offset per batch row
+    splits: int
+    q_scale: float = 1.0
+
+
+DECODE_CASES = {
+    "gqa1-d64-one-row-window-short-3-splits-fp32": DecodeCase(
+        torch.float32, 4, 4, 1, 64, 16, [-1.0, 0.4, -0.3, 0.0], [300, 123], 320, [0, 5], 3),
+    "gqa3-d128-three-rows-2-splits-fp32": DecodeCase(
+        torch.float32, 6, 2, 3, 128, 40, TAU_MIXED, [150, 97], 160, [11, 0], 2),
+    "gqa4-d64-five-rows-two-row-tiles-window-long-bf16": DecodeCase(
+        torch.bfloat16, 8, 2, 5, 64, 500, TAU_MIXED + [0.7, -0.6], [200, 41], 210, [0, 3], 1),
+    "gqa4-d128-near-threshold-fp32": DecodeCase(
+        torch.float32, 4, 1, 1, 128, 24, [-1.0] * 4, [90, 64], 130, [2, 0], 2, q_scale=0.2),
+}
+
+
+def decode_reference(query, key, value, tau, bias, lengths, shift, scaling):
+    """The float64 reference per batch row over its first `lengths[b]` keys, positions `index + shift[b]`."""
+    outs = []
+    q_len = query.shape[2]
+    for b, (length, offset) in enumerate(zip(lengths, shift)):
+        k_pos = (torch.arange(length) + offset)[None]
+        seg = torch.zeros(1, length, dtype=torch.long)
+        outs.append(reference(query[b:b + 1], key[b:b + 1, :, :length], value[b:b + 1, :, :length], tau, bias,
+                              k_pos[:, -q_len:], k_pos, seg[:, -q_len:], seg, scaling))
+    return torch.cat(outs)
+
+
+def packed_decode_matches_reference(kernels):
+    """The packed decode (`_packed_decode`) against the float64 reference: GQA 1/3/4, D 64/128, one and several query
+    rows (two row tiles), per-batch key lengths in a cache whose other keys are NaN, positions offset per row, tau
+    of both signs and at the threshold, bias windows shorter and longer than the cache, one and several splits."""
+    seed = fresh_seed()
+    errors = {"seed": seed}
+    for name, case in DECODE_CASES.items():
+        bsz = len(case.lengths)
+        query, key, value, tau, bias, _ = make_inputs(bsz, case.heads, case.kv_heads, case.q_len, case.capacity,
+                                                      case.head_dim, case.window, case.dtype, case.tau, case.q_scale,
+                                                      seed)
+        for b, length in enumerate(case.lengths):  # keys beyond a row's length must never count
+            key[b, :, length:] = float("nan")
+            value[b, :, length:] = float("nan")
+        scaling = case.head_dim ** -0.5
+        expected = decode_reference(query, key, value, tau, bias, case.lengths, case.shift, scaling)
+        lengths = torch.tensor(case.lengths, dtype=torch.int32)
+        q_pos = (lengths[:, None] - case.q_len + torch.arange(case.q_len) + torch.tensor(case.shift)[:, None])
+        out, lse = kernels._packed_decode(query, key, value, tau, bias, q_pos.to(torch.int32).contiguous(), lengths,
+                                          scaling, num_splits=case.splits)
+        assert out.dtype == case.dtype and out.shape == expected.shape and torch.isfinite(lse).all()
+        errors[name] = relative_error(out, expected)
+        assert errors[name] < TOLERANCE[case.dtype], (name, errors)
+    return errors
+
+
+def packed_decode_skips_dead_value_tiles(kernels):
+    """With a sharp local bias and tau = -1 every weight of the first key tiles is 0 for every row of the group:
+    their V tiles (NaN here) are never read, and the output is the reference's (computed with those values 0)."""
+    seed = fresh_seed()
+    query, key, value, tau, bias, _ = make_inputs(1, 4, 1, 2, 600, 64, 8, torch.float32, [-1.0] * 4, 0.1, seed)
+    bias[:, :2] = 8.0
+    bias[:, 2:] = -30.0
+    block_n = kernels._config("packed_decode", 64)[1]
+    dead = 600 - 2 * block_n - 8  # keys below it weigh 0 for both rows; its tiles reach beyond the window
+    expected = decode_reference(query, key, value, tau, bias, [600], [0], 0.125)
+    value[:, :, :dead // block_n * block_n] = float("nan")
+    errors = {"seed": seed}
+    for splits in (1, 2):
+        out, _ = kernels._packed_decode(query, key, value, tau, bias, torch.tensor([[598, 599]], dtype=torch.int32),
+                                        torch.tensor([600], dtype=torch.int32), 0.125, num_splits=splits)
+        errors[splits] = relative_error(out, expected)
+    assert max(errors[1], errors[2]) < TOLERANCE[torch.float32], errors
+    return errors
+
+
+def packed_decode_dispatch(kernels):
+    """`lazy_attention_triton` on decode-shaped calls with plain causal metadata runs the packed decode; output and
+    gradients (the general backward from its row log-sum-exp) against the float64 reference."""
+    calls = []
+    original = kernels._packed_decode
+    kernels._packed_decode = lambda *args, **kw: calls.append(1) or original(*args, **kw)
+    try:
+        errors = {}
+        for name, (dtype, bsz, heads, kv_heads, q_len, k_len, dim, window, tau) in {
+            "one-row-gqa4-bf16": (torch.bfloat16, 2, 4, 1, 1, 130, 64, 32, TAU_MIXED[:4]),
+            "four-rows-gqa3-d128-fp32": (torch.float32, 1, 6, 2, 4, 90, 128, 100, TAU_MIXED),
+        }.items():
+            inputs = make_inputs(bsz, heads, kv_heads, q_len, k_len, dim, window, dtype, tau)
+            errors[name] = check(kernels, inputs, metadata(bsz, q_len, k_len), dtype, key_view=True, causal=True)
+    finally:
+        kernels._packed_decode = original
     assert len(calls) == 2, calls
+    return errors
+
+
+def paged_decode_matches_contiguous_and_reference(kernels):
+    """`lazy_attention_triton_paged_decode` on a vLLM-layout cache (K and V in one tensor, NaN in every slot no
+    request owns) with a shuffled block table and ragged lengths (shorter than a block, a block multiple), against
+    the float64 reference and the contiguous packed decode; also paged with several splits."""
+    seed = fresh_seed()
+    errors = {"seed": seed}
+    for dtype, heads, kv_heads, dim, lengths, page, max_seq_len in (
+            (torch.float32, 4, 2, 64, [37, 16, 70, 5], 16, None),
+            (torch.bfloat16, 8, 2, 128, [50, 33, 8], 8, 64)):
+        requests = len(lengths)
+        max_blocks = max(triton_cdiv(n, page) for n in lengths) + 1
+        query, key, value, tau, bias, _ = make_inputs(requests, heads, kv_heads, 1, max(lengths), dim, 20, dtype,
+                                                      TAU_MIXED[:2] * (heads // 2), seed=seed)
+        cache, table = paged_cache(key, value, lengths, page, max_blocks, seed)
+        seq_lens = torch.tensor(lengths, dtype=torch.int32)
+        scaling = dim ** -0.5
+        out = kernels.lazy_attention_triton_paged_decode(query[:, :, 0], cache, table, seq_lens, tau, bias, scaling,
+                                                         max_seq_len=max_seq_len)
+        expected = decode_reference(query, key, value, tau, bias, lengths, [0] * requests, scaling)[:, 0]
+        contiguous, _ = kernels._packed_decode(query, key.nan_to_num(), value, tau, bias, (seq_lens - 1)[:, None],
+                                               seq_lens, scaling)
+        split, _ = kernels._packed_decode(query, cache[..., :dim], cache[..., dim:], tau, bias,
+                                          (seq_lens - 1)[:, None], seq_lens, scaling, num_splits=3, block_table=table)
+        assert out.shape == (requests, heads, dim) and out.dtype == dtype
+        # the same cache with pages that hold a block's keys, then its values, passed as a (K, V) pair of views
+        page_major = torch.cat([cache[..., :dim], cache[..., dim:]], dim=2)
+        halves = (page_major[:, :, :page], page_major[:, :, page:])
+        assert torch.equal(kernels.lazy_attention_triton_paged_decode(query[:, :, 0], halves, table, seq_lens, tau,
+                                                                      bias, scaling, max_seq_len=max_seq_len), out)
+        name = f"{dtype}-d{dim}-page{page}"
+        errors[name] = {"reference": relative_error(out, expected),
+                        "contiguous": relative_error(out, contiguous[:, 0].double()),
+                        "3 splits": relative_error(split[:, 0], expected)}
+        assert max(errors[name].values()) < TOLERANCE[dtype], (name, errors)
+    return errors
+
+
+def triton_cdiv(a, b):
+    return -(-a // b)
+
+
+def paged_cache(key, value, lengths, page, max_blocks, seed):
+    """vLLM's layout of the first `lengths[r]` keys of `key, value [R, Hkv, >= max length, D]`: a cache
+    `[num_blocks, Hkv, page, 2 D]` (K then V), NaN in every slot no request owns, and a shuffled block table
+    `[R, max_blocks]` int32 whose padding entries point at block 0 (NaN)."""
+    requests, kv_heads, _, dim = key.shape
+    num_blocks = requests * max_blocks + 3
+    cache = torch.full((num_blocks, kv_heads, page, 2 * dim), float("nan"), dtype=key.dtype)
+    shuffled = torch.randperm(num_blocks - 1, generator=torch.Generator().manual_seed(seed))
+    order = (shuffled + 1).tolist()
+    table = torch.zeros(requests, max_blocks, dtype=torch.int32)
+    for r, length in enumerate(lengths):
+        for j in range(length):
+            if j % page == 0:
+                table[r, j // page] = order.pop()
+            cache[table[r, j // page], :, j % page] = torch.cat([key[r, :, j], value[r, :, j]], -1)
+    return cache, table
+
+
+class PagedCase(NamedTuple):
+    """One mixed vLLM batch for `lazy_attention_triton_paged`: per request (query rows, keys in the cache)."""
+
+    dtype: torch.dtype
+    heads: int
+    kv_heads: int
+    head_dim: int
+    window: int
+    page: int
+    family: str  # the block table the launcher uses
+    max_query_len: int | None
+
+
+# two prompts of odd lengths (one over two query tiles), a prompt chunk after 59 cached keys, two decode tokens;
+# the decode rows sit between the prompts (the work list maps tiles to requests in any order)
+PAGED_REQUESTS = [(147, 147), (1, 70), (41, 100), (33, 33), (1, 5)]
+PAGED_CASES = {
+    "gqa1-d64-fp32": PagedCase(torch.float32, 2, 2, 64, 24, 16, "sm90", None),
+    "gqa3-d128-sm80-blocks-bf16": PagedCase(torch.bfloat16, 6, 2, 128, 24, 8, "sm80", 147),
+    "gqa3-d128-fp16": PagedCase(torch.float16, 3, 1, 128, 40, 16, "sm90", 200),
+}
+
+
+def paged_prefill_mixed_batch(kernels):
+    """`lazy_attention_triton_paged` on a mixed vLLM batch (`PAGED_REQUESTS`) against the float64 reference computed
+    per request on its own contiguous keys and positions: GQA 1 and 3, D 64 and 128, tau of both signs, a bias window
+    shorter than the longest request (all three key ranges), both block tables, a shuffled block table, NaN in every
+    cache slot no request owns. Also a batch of decode tokens only (`max_query_len=1`) and the batch with its decode
+    tokens first (`num_decodes=2`): those run the packed decode."""
+    seed = fresh_seed()
+    errors = {"seed": seed}
+    family, prefill, decode_kernels = kernels._gpu_family, kernels._paged_prefill, kernels._packed_decode
+    calls = []
+    kernels._paged_prefill = lambda *args: calls.append("prefill") or prefill(*args)
+    kernels._packed_decode = lambda *args, **kw: calls.append("decode") or decode_kernels(*args, **kw)
+    try:
+        for name, case in PAGED_CASES.items():
+            kernels._gpu_family = lambda device, chosen=case.family: chosen
+            decodes_first = sorted(PAGED_REQUESTS, key=lambda request: request[0] > 1)
+            for requests, num_decodes in ((PAGED_REQUESTS, 0), ([(1, n) for _, n in PAGED_REQUESTS], 0),
+                                          (decodes_first, 2)):
+                q_lens, lengths = zip(*requests)
+                gen = torch.Generator().manual_seed(seed)
+                query = torch.randn(sum(q_lens), case.heads, case.head_dim, generator=gen).to(case.dtype)
+                key, value = (torch.randn(len(requests), case.kv_heads, max(lengths), case.head_dim, generator=gen)
+                              .to(case.dtype) for _ in range(2))
+                tau = torch.tensor((TAU_MIXED * 2)[:case.heads])
+                bias = 0.5 * torch.randn(case.heads, case.window, generator=gen)
+                max_blocks = max(triton_cdiv(n, case.page) for n in lengths) + 1
+                cache, table = paged_cache(key, value, lengths, case.page, max_blocks, seed)
+                starts = torch.tensor([0, *q_lens]).cumsum(0).to(torch.int32)
+                scaling = case.head_dim ** -0.5
+                decode = max(q_lens) == 1
+                out = kernels.lazy_attention_triton_paged(query, cache, table, starts, torch.tensor(lengths), tau,
+                                                          bias, scaling, 1 if decode else case.max_query_len,
+                                                          num_decodes=num_decodes)
+                assert out.shape == query.shape and out.dtype == case.dtype
+                if num_decodes:  # keys then values per page, as a (K, V) pair of views: the same result
+                    page_major = torch.cat([cache[..., :case.head_dim], cache[..., case.head_dim:]], dim=2)
+                    halves = (page_major[:, :, :case.page], page_major[:, :, case.page:])
+                    assert torch.equal(kernels.lazy_attention_triton_paged(
+                        query, halves, table, starts, torch.tensor(lengths), tau, bias, scaling, case.max_query_len,
+                        num_decodes=num_decodes), out)
+                for r, (q_len, length) in enumerate(requests):
+                    rows = slice(starts[r], starts[r + 1])
+                    k_pos = torch.arange(length)[None]
+                    seg = torch.zeros(1, length, dtype=torch.long)
+                    expected = reference(query[rows].transpose(0, 1)[None], key[r:r + 1, :, :length],
+                                         value[r:r + 1, :, :length], tau, bias, k_pos[:, -q_len:], k_pos,
+                                         seg[:, -q_len:], seg, scaling)[0]
+                    label = f"{name}{'-decode-only' if decode else ''}{'-decodes-first' * bool(num_decodes)}-{r}"
+                    errors[label] = relative_error(out[rows], expected)
+                    assert errors[label] < TOLERANCE[case.dtype], (label, errors)
+    finally:
+        kernels._gpu_family, kernels._paged_prefill, kernels._packed_decode = family, prefill, decode_kernels
+    assert calls == ["prefill", "decode", "decode", "prefill", "decode", "prefill"] * len(PAGED_CASES), calls
     return errors
 
 
@@ -340,6 +605,11 @@ CASES = {
     "tile-density-counts": tile_density_counts,
     "dead-rows-and-longer-key-buffer": dead_rows_and_longer_key_buffer,
     "causal-fast-path": causal_fast_path,
+    "packed-decode-reference": packed_decode_matches_reference,
+    "packed-decode-skips-dead-value-tiles": packed_decode_skips_dead_value_tiles,
+    "packed-decode-dispatch": packed_decode_dispatch,
+    "paged-decode": paged_decode_matches_contiguous_and_reference,
+    "paged-prefill-mixed-batch": paged_prefill_mixed_batch,
     "refuses-what-it-cannot-run": refuses_what_it_cannot_run,
     "model-greedy-generation-triton-vs-eager": model_greedy_generation_matches_eager,
 }
