@@ -177,3 +177,67 @@ def test_unservable_folder_fails_with_a_clear_message(tmp_path, rng_seed):
     proc = run_vllm(tmp_path, folder, [{"prompts": [[5, 6, 7]], "max_tokens": 2}])
     assert proc.returncode != 0
     assert "config.json implies (4, 16)" in proc.stdout + proc.stderr
+
+
+TRITON_STEP = r"""
+import os, sys, types
+import torch
+from serving.lazy_attention_backend import LazyAttentionImpl, LazyAttentionMetadataBuilder
+
+seed = int(sys.argv[1])
+gen = torch.Generator().manual_seed(seed)
+heads, kv_heads, dim, page = 4, 2, 64, 16
+# decode requests first (as vLLM orders them for this backend), then a whole prompt and a chunk after a prefix
+q_lens, seq_lens = [1, 1, 37, 20], [70, 33, 37, 50]
+num_blocks = sum(-(-n // page) for n in seq_lens) + 3
+order = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
+table = torch.zeros(len(q_lens), 8, dtype=torch.int32)
+for r, n in enumerate(seq_lens):
+    for b in range(-(-n // page)):
+        table[r, b] = order.pop()
+# 1e4 in every slot no request owns: a wrong read shows (NaN would also poison the PyTorch path's padded
+# decode group, whose zero weights multiply whatever the pages hold; vLLM's cache holds finite values)
+cache = torch.full((num_blocks, kv_heads, page, 2 * dim), 1e4)
+impl = LazyAttentionImpl(heads, dim, dim ** -0.5, kv_heads, tau=-1.0 + 0.2 * torch.randn(heads, generator=gen),
+                         distance_bias=torch.randn(heads, 24, generator=gen))
+for r, n in enumerate(seq_lens):  # every key of every request through the backend's own cache writer
+    slots = table[r, torch.arange(n) // page].long() * page + torch.arange(n) % page
+    impl.do_kv_cache_update(None, torch.randn(n, kv_heads, dim, generator=gen),
+                            torch.randn(n, kv_heads, dim, generator=gen), cache, slots)
+starts = torch.tensor([0, *q_lens]).cumsum(0).to(torch.int32)
+common = types.SimpleNamespace(num_reqs=len(q_lens), query_start_loc_cpu=starts, query_start_loc=starts,
+                               seq_lens=torch.tensor(seq_lens, dtype=torch.int32), block_table_tensor=table,
+                               num_actual_tokens=int(starts[-1]), max_seq_len=max(seq_lens))
+builder = object.__new__(LazyAttentionMetadataBuilder)
+builder.block_size, builder.num_kv_heads, builder.device = page, kv_heads, torch.device("cpu")
+query = torch.randn(int(starts[-1]) + 3, heads, dim, generator=gen)  # vLLM pads the step: 3 unused rows
+outputs = {}
+for backend in ("triton", "torch"):
+    os.environ["LAZY_ATTENTION_BACKEND"] = backend
+    metadata = builder.build(0, common)
+    assert (metadata.paged is not None) == (backend == "triton") and metadata.paged is None or \
+        metadata.paged.num_decodes == 2
+    outputs[backend] = impl.forward(None, query, None, None, cache, metadata, torch.zeros_like(query))
+count = int(starts[-1])
+tri, ref = outputs["triton"][:count], outputs["torch"][:count]
+error = ((tri - ref).abs().max() / ref.abs().max()).item()
+print("ERROR", error, "nan rows triton", tri.isnan().any(-1).any(-1).nonzero().flatten().tolist(), "torch",
+      ref.isnan().any(-1).any(-1).nonzero().flatten().tolist())
+assert torch.isfinite(tri).all() and error < 2e-4, error
+assert (outputs["triton"][count:] == 0).all()  # padding rows untouched
+"""
+
+
+def test_triton_paged_path_equals_the_pytorch_path(tmp_path, rng_seed):
+    """On CUDA the backend runs the step through `lazy_attention_triton_paged`; here the same code under the Triton
+    interpreter (CPU tensors, `LAZY_ATTENTION_BACKEND=triton`) against the backend's PyTorch path, on one mixed step:
+    two decode requests first, a whole prompt, a chunk after 30 cached keys; shuffled pages, huge values in
+    unowned slots."""
+    pytest.importorskip("triton")
+    script = tmp_path / "triton_step.py"
+    script.write_text(TRITON_STEP)
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, str(script), str(rng_seed)], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=600, stdin=subprocess.DEVNULL)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    assert "ERROR" in proc.stdout
