@@ -16,8 +16,13 @@ per-head distance bias need the whole score row and each query's position, so th
    lengths: query i of a request with `c` cached tokens has position `c + i` (`n_i = c + i + 1`), key j
    has position j.
 
+On CUDA, steps 3 and 4 are replaced by one Triton call per layer, `lazy_attention_triton_paged`, which reads K and V
+through the block table (the varlen causal kernel for prompts and chunks, the packed decode for the decode
+requests, which the builder asks vLLM to put first). As in the model, `LAZY_ATTENTION_BACKEND` (auto | triton |
+torch) chooses; `triton` with `TRITON_INTERPRET=1` runs the kernels on CPU tensors (the tests do).
+
 The cached K/V are post-RoPE keys and values, which do not depend on `tau` or the distance bias, so
-vLLM's prefix caching and chunked prefill work unchanged. The same PyTorch path runs on every device.
+vLLM's prefix caching and chunked prefill work unchanged.
 """
 
 from collections import defaultdict
@@ -37,6 +42,7 @@ from vllm.v1.kv_cache_layout import KVCacheLayout
 
 from modeling_lazy.lazy_attention_reference import LazyMetadata
 from modeling_lazy.lazy_attention_torch import lazy_attention_torch
+from modeling_lazy.modeling_lazy import _lazy_backend
 
 BACKEND_NAME = "LAZY_ATTN"
 
@@ -61,9 +67,27 @@ class LazyGroup:
 
 
 @dataclass
+class LazyPagedStep:
+    """One step as the paged Triton entry point takes it (device tensors; decode requests first)."""
+
+    query_start_loc: torch.Tensor  # [R + 1] int32
+    seq_lens: torch.Tensor  # [R] int32
+    block_table: torch.Tensor  # [R, max_blocks] int32
+    max_query_len: int
+    max_seq_len: int
+    num_decodes: int  # the first num_decodes requests have one query token each
+
+
+@dataclass
 class LazyServingMetadata(AttentionMetadata):
     num_actual_tokens: int
-    groups: list[LazyGroup]
+    groups: list[LazyGroup]  # the PyTorch path (empty when `paged` is set)
+    paged: LazyPagedStep | None = None  # the Triton path
+
+
+def use_triton(device: torch.device) -> bool:
+    """The model's own choice (`LAZY_ATTENTION_BACKEND`): the paged Triton path on CUDA, PyTorch elsewhere."""
+    return _lazy_backend(torch.empty(0, device=device)) == "triton"
 
 
 def _lazy_metadata(q_pos: torch.Tensor, key_lengths: torch.Tensor, key_length: int, causal: bool) -> LazyMetadata:
@@ -78,7 +102,10 @@ def _lazy_metadata(q_pos: torch.Tensor, key_lengths: torch.Tensor, key_length: i
 
 
 class LazyAttentionMetadataBuilder(AttentionMetadataBuilder[LazyServingMetadata]):
-    """Turns vLLM's per-step batch description into `LazyGroup`s (positions, cache pages)."""
+    """Turns vLLM's per-step batch description into `LazyGroup`s (positions, cache pages), or, for the Triton
+    path, into a `LazyPagedStep`."""
+
+    reorder_batch_threshold = 1  # vLLM puts single-token (decode) requests first: the packed decode takes them
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
@@ -111,6 +138,14 @@ class LazyAttentionMetadataBuilder(AttentionMetadataBuilder[LazyServingMetadata]
         common = common_attn_metadata
         num_reqs = common.num_reqs
         starts = common.query_start_loc_cpu[: num_reqs + 1].tolist()
+        if use_triton(self.device):
+            lengths = [b - a for a, b in zip(starts, starts[1:])]
+            num_decodes = next((i for i, n in enumerate(lengths) if n != 1), num_reqs)
+            step = LazyPagedStep(common.query_start_loc[: num_reqs + 1].to(torch.int32),
+                                 common.seq_lens[:num_reqs].to(torch.int32),
+                                 common.block_table_tensor[:num_reqs].to(torch.int32), max(lengths, default=1),
+                                 int(common.max_seq_len), num_decodes)
+            return LazyServingMetadata(num_actual_tokens=common.num_actual_tokens, groups=[], paged=step)
         seq_lens = common.seq_lens[:num_reqs].cpu().tolist()
         block_table = common.block_table_tensor[:num_reqs].cpu()
         same_shape = defaultdict(list)  # (query length, key length) -> requests; all decodes share one group
@@ -176,6 +211,17 @@ class LazyAttentionImpl(AttentionImpl[LazyServingMetadata]):
             raise NotImplementedError("LazyLlama on vLLM does not fuse output quantization.")
         if attn_metadata is None:  # vLLM's profiling run: no cache yet, nothing to attend
             return output
+        step = attn_metadata.paged
+        if step is not None:
+            from modeling_lazy.lazy_attention_triton import lazy_attention_triton_paged  # needs triton
+
+            count = attn_metadata.num_actual_tokens
+            out = lazy_attention_triton_paged(
+                query[:count], _page_views(kv_cache, self.head_size), step.block_table, step.query_start_loc,
+                step.seq_lens, self.tau, self.distance_bias, self.scale, max_query_len=step.max_query_len,
+                max_seq_len=step.max_seq_len, num_decodes=step.num_decodes)
+            output[:count] = out.to(output.dtype)
+            return output
         kv_heads = kv_cache.shape[1]
         keys, values = _split_pages(kv_cache, self.head_size)
         for group in attn_metadata.groups:
@@ -206,6 +252,16 @@ def _split_pages(kv_cache: torch.Tensor, head_size: int) -> tuple[torch.Tensor, 
     num_blocks, kv_heads, block_size, width = kv_cache.shape
     pages = kv_cache.view(num_blocks * kv_heads, block_size * width)
     return pages[:, : block_size * head_size], pages[:, block_size * head_size:]
+
+
+def _page_views(kv_cache: torch.Tensor, head_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same pages as `_split_pages`, as `(K, V)` views `[num_blocks, Hkv, block_size, D]` (Triton path)."""
+    _split_pages(kv_cache, head_size)  # the layout check
+    num_blocks, kv_heads, block_size, width = kv_cache.shape
+    if width != 2 * head_size:
+        raise ValueError(f"the Triton path needs value heads of the key head size {head_size}; got {width - head_size}")
+    pages = kv_cache.view(num_blocks, kv_heads, 2 * block_size, head_size)
+    return pages[:, :, :block_size], pages[:, :, block_size:]
 
 
 class LazyAttentionBackend(AttentionBackend):
