@@ -442,7 +442,10 @@ def test_a_hub_that_never_answers_times_out_in_one_line(silent, checkpoint, caps
 
 def test_ctrl_c_while_waiting_for_the_hub_ends_in_one_line(silent, checkpoint, capsys):
     def interrupt_once_connected():
-        deadline = time.monotonic() + 60
+        # lazy-push reads and checks the checkpoint before it connects: on a loaded machine that can take a minute,
+        # so wait for the connection as long as the test may run, not a fixed 60 s (the client's own timeout, 120 s,
+        # only starts once connected)
+        deadline = time.monotonic() + 900
         while silent.accepted == 0 and time.monotonic() < deadline:
             time.sleep(0.05)
         if silent.accepted:
