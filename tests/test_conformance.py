@@ -230,13 +230,14 @@ def test_dynamic_rope_changes_logits_past_the_limit_like_llama(rng_seed):
     for ids in (short, long):
         torch.testing.assert_close(lazy(ids).logits, llama(ids).logits, atol=1e-4, rtol=1e-4)
     assert torch.allclose(llama(short).logits, llama_plain(short).logits, atol=1e-5)
-    assert (llama(long).logits - llama_plain(long).logits).abs().max() > 1e-3
+    # past the limit the logits change: by more than 10x the 1e-5 that bounds float noise on the short input
+    assert (llama(long).logits - llama_plain(long).logits).abs().max() > 1e-4
 
     randomize_lazy(lazy)
     lazy_plain = LazyLlamaForCausalLM(tiny_config(max_position_embeddings=16)).eval()
     lazy_plain.load_state_dict(lazy.state_dict())
     assert torch.allclose(lazy(short).logits, lazy_plain(short).logits, atol=1e-5)
-    assert (lazy(long).logits - lazy_plain(long).logits).abs().max() > 1e-3
+    assert (lazy(long).logits - lazy_plain(long).logits).abs().max() > 1e-4
 
 
 @pytest.mark.parametrize("flash_kwargs", [False, True])

@@ -440,12 +440,13 @@ def test_a_hub_that_never_answers_times_out_in_one_line(silent, checkpoint, caps
 
 
 def test_ctrl_c_while_waiting_for_the_hub_ends_in_one_line(silent, checkpoint, tmp_path):
-    """`lazy-push` in its own process (as a user runs it), a real SIGINT once it waits on the connection.
-    (Run in-process it passed alone and failed in the full suite, interrupt never delivered: order-dependent.)"""
+    """`lazy-push` in its own process, started as a shell starts it (SIGINT at its default disposition: inside the
+    full suite the pytest process had SIGINT ignored, which a child inherits, so the interrupt was never delivered),
+    and a real SIGINT once it waits on the connection."""
     push = subprocess.Popen(
         [sys.executable, "-m", "conversion.push_to_hub", str(checkpoint[0]), "alice/hanging", "--timeout", "120",
          "--retries", "0"], cwd=PROJECT_ROOT, env=_subprocess_env(silent, tmp_path), stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, text=True)
+        stderr=subprocess.PIPE, text=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         deadline = time.monotonic() + 300
         while silent.accepted == 0 and push.poll() is None and time.monotonic() < deadline:
