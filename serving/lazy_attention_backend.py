@@ -1,4 +1,4 @@
-"""Lazy Attention as a vLLM attention backend over the paged KV cache (exact, PyTorch).
+"""Lazy Attention as a vLLM attention backend over the paged KV cache (exact; PyTorch on CPU, Triton on CUDA).
 
 vLLM's own backends compute softmax attention; Elastic-Softmax (`ReLU(softmax + tau / n)`) and the
 per-head distance bias need the whole score row and each query's position, so this backend:
