@@ -8,7 +8,7 @@ Variants (identical Llama weights at step 0, same data order, steps, optimizer a
 `VARIANTS` below. The controls change the attention only through wrappers and hooks defined here
 (`modeling_lazy` is untouched); `tests/test_study_variants.py` checks that each does what its name says.
 
-A grid (`--grid controls|sweeps|extrapolation`, `--seeds`, `--jobs`) runs many configurations as separate
+A grid (`--grid controls|sweeps|sizes|extrapolation`, `--seeds`, `--jobs`) runs many configurations as separate
 processes, one folder each under `--out`, skipping those already finished; `lazy_tools.study_summary` then
 pools them into mean +- std tables and paired differences.
 
@@ -98,9 +98,10 @@ GRIDS = {
         ("lr4e-3-lazy", ["--variants", "lazy", "--lr", "4e-3"]),
         ("size256-vanilla", ["--variants", "vanilla", *SIZE_256]),
         ("size256-lazy", ["--variants", "lazy", *SIZE_256]),
-        ("long-vanilla", ["--variants", "vanilla", "--steps-factor", "2"]),
-        ("long-lazy", ["--variants", "lazy", "--steps-factor", "2"]),
+        ("long-vanilla", ["--variants", "vanilla", "--steps-factor", "14"]),  # 2,100 steps at --steps 150
+        ("long-lazy", ["--variants", "lazy", "--steps-factor", "14"]),
     ],
+    # more seeds of the size sweep (where does the sign flip?); the middle size is the controls grid's vanilla/lazy
     "extrapolation": [
         (f"ctx{ctx}-{name}", ["--variants", variant, "--context", str(ctx), "--eval-span", "8", "--sliding", "2",
                               "--eval-docs", "25", *extra])
@@ -109,6 +110,8 @@ GRIDS = {
                                      ("bias_only-w512", "bias_only", ["--bias-window", "512"]))
     ],
 }
+# more seeds of the size sweep (where does the sign flip?); the middle size is the controls grid's vanilla/lazy
+GRIDS["sizes"] = [cell for cell in GRIDS["sweeps"] if cell[0].startswith("size")]
 VOCAB = 256  # UTF-8 bytes
 EXTRAPOLATION = (1, 2, 4)  # evaluation windows, in multiples of the training length
 
