@@ -8,8 +8,10 @@ only the value rows that carry a nonzero weight.
 """
 
 import math
+import weakref
 
 import torch
+import torch.nn.functional as F
 
 from .lazy_attention_reference import LazyMetadata, compute_dtype, distance_bias_scores, lazy_visibility
 
@@ -365,30 +367,119 @@ _DECODE_MAX_ROWS = 16  # query rows per call up to which inference takes the dec
 _SPARSE_V_MIN_KEYS = 4096
 _SPARSE_V_MAX_DENSITY = 0.25
 
+# Facts about tau and the distance bias that inference calls would otherwise recompute in every layer and step
+# (a reversed copy of the bias, whether it holds -inf, whether tau or the bias is all zero). Keyed by the
+# tensor's id (dropped with the tensor) and stamped with its storage and version counter, so an in-place update
+# (optimizer step, load_state_dict, fill_) or a new tensor is seen at once. Not used under torch.compile.
+_PARAMETER_FACTS: dict[int, tuple[weakref.ref, dict]] = {}
+
+
+def _parameter_fact(tensor: torch.Tensor, what, build):
+    """`build()`, computed once per value of `tensor` (see `_PARAMETER_FACTS`)."""
+    if torch.compiler.is_compiling() or type(tensor) not in (torch.Tensor, torch.nn.Parameter):
+        return build()
+    key = id(tensor)
+    entry = _PARAMETER_FACTS.get(key)
+    if entry is None or entry[0]() is not tensor:
+        entry = _PARAMETER_FACTS[key] = (weakref.ref(tensor, lambda _, key=key: _PARAMETER_FACTS.pop(key, None)), {})
+    stamp = (tensor.data_ptr(), tensor._version)
+    hit = entry[1].get(what)
+    if hit is None or hit[0] != stamp:
+        hit = entry[1][what] = (stamp, build())
+    return hit[1]
+
+
+def _reversed_bias(distance_bias: torch.Tensor, k_len: int, dtype) -> torch.Tensor:
+    """`[Hq, C]`, `C >= k_len`: column `C - 1 - d` holds the bias of distance d (0 for `d >= W`).
+
+    The row whose distance-0 key is key `i` reads its keys `0 .. i` as `narrow(-1, C - 1 - i, i + 1)`: a view,
+    no flip or copy per call. C grows by doubling, so a generation rebuilds it O(log L) times.
+    """
+    def build():
+        heads, window = distance_bias.shape
+        capacity = max(1024, k_len)
+        while capacity < k_len:
+            capacity *= 2
+        table = torch.zeros(heads, capacity, dtype=dtype, device=distance_bias.device)
+        span = min(window, capacity)
+        table[:, capacity - span:] = distance_bias.detach()[:, :span].flip(-1)
+        return table
+
+    table = _parameter_fact(distance_bias, ("reversed", dtype), build)
+    if table.shape[-1] < k_len:  # a longer cache than last time: twice the capacity
+        k_len = max(k_len, 2 * table.shape[-1])
+        table = build()
+        _PARAMETER_FACTS[id(distance_bias)][1][("reversed", dtype)] = (
+            (distance_bias.data_ptr(), distance_bias._version), table)
+    return table
+
+
+def _has_neginf(distance_bias: torch.Tensor) -> bool:
+    """True when some bias entry is -inf (then a row may have no visible finite score)."""
+    return _parameter_fact(distance_bias, "neginf", lambda: bool(torch.isneginf(distance_bias).any()))
+
+
+def _all_zero(tensor: torch.Tensor) -> bool:
+    return _parameter_fact(tensor, "zero", lambda: not bool(tensor.detach().count_nonzero()))
+
+
+def _as(tensor: torch.Tensor, dtype) -> torch.Tensor:
+    """`tensor.to(dtype)` without the call when it already is (a no-op `.to` costs microseconds)."""
+    return tensor if tensor.dtype == dtype else tensor.to(dtype)
+
+
+def _one_row_decode(query, key, value, tau, distance_bias, metadata: LazyMetadata, scaling) -> torch.Tensor:
+    """Plain generation (one sequence, one new token, the causal layout, no static buffer): `out [1, 1, Hq, D]`
+    from five ops, the distance bias entering as the addend of the score product."""
+    _, num_heads, _, dim = query.shape
+    kv_heads, k_len = key.shape[1], metadata.key_length
+    rows = num_heads // kv_heads
+    dtype = compute_dtype(query)
+    table = _reversed_bias(distance_bias, k_len, dtype)
+    k = _as(key if key.shape[2] == k_len else key.narrow(2, 0, k_len), dtype).reshape(kv_heads, k_len, dim)
+    scores = torch.baddbmm(table.narrow(-1, table.shape[-1] - k_len, k_len).view(kv_heads, rows, k_len),
+                           _as(query, dtype).reshape(kv_heads, rows, dim), k.transpose(1, 2), alpha=scaling)
+    weights = torch.softmax(scores, dim=-1)  # p + tau / n, then the ReLU
+    weights.add_(_as(tau, dtype).view(kv_heads, rows, 1), alpha=1.0 / (metadata.q_pos.item() + 1)).clamp_min_(0.0)
+    if k_len <= distance_bias.shape[-1] and _has_neginf(distance_bias):
+        weights.nan_to_num_(nan=0.0)  # the row sees no finite score (no normaliser): 0, not NaN
+    out = None
+    if k_len >= _SPARSE_V_MIN_KEYS:
+        out = _sparse_value_rows(weights.view(1, kv_heads, rows, k_len), value, k_len, dtype)
+    if out is None:
+        v = _as(value if value.shape[2] == k_len else value.narrow(2, 0, k_len), dtype)
+        out = torch.bmm(weights, v.reshape(kv_heads, k_len, dim))
+    return _as(out.view(1, 1, num_heads, dim), query.dtype)
+
 
 def _decode_scores(query, key, distance_bias, metadata: LazyMetadata, scaling, dtype) -> torch.Tensor:
     """`[B, Hq, Tq, Tk]` biased scores, `-inf` where a key is not visible (no copy of float32 k).
 
     Every op here costs microseconds of dispatch against a few microseconds of math at short contexts, so
-    the causal layout takes plain `narrow` views and touches only the last `W` keys of each row.
+    the causal layout reads the bias as views of a cached reversed copy and touches only the last `W` keys
+    of each row; one row of one sequence (plain generation) is a single `baddbmm`.
     """
     bsz, num_heads, q_len, dim = query.shape
     kv_heads, k_len = key.shape[1], metadata.key_length
     rows = num_heads // kv_heads * q_len
-    q = torch.mul(query.to(dtype), scaling).reshape(bsz * kv_heads, rows, dim)
     k = (key if key.shape[2] == k_len else key.narrow(2, 0, k_len)).to(dtype).reshape(bsz * kv_heads, k_len, dim)
+    q = torch.mul(query.to(dtype), scaling).reshape(bsz * kv_heads, rows, dim)
     scores = torch.bmm(q, k.transpose(1, 2)).view(bsz, num_heads, q_len, k_len)
     if not metadata.causal:
         scores.add_(distance_bias_scores(distance_bias, metadata.q_pos, metadata.k_pos, dtype))
         return scores.masked_fill_(~lazy_visibility(metadata), float("-inf"))
     window = distance_bias.shape[-1]
-    reversed_bias = distance_bias.to(dtype).flip(-1)  # [Hq, W]: column W - 1 - d holds distance d
+    if metadata.static_buffer or torch.compiler.is_compiling():
+        table, capacity = distance_bias.to(dtype).flip(-1), window  # column W - 1 - d holds distance d
+    else:
+        table = _reversed_bias(distance_bias, k_len, dtype)
+        capacity = table.shape[-1]
     for row in range(q_len):
         last = metadata.key_offset + row  # key index of this row (distance 0)
         first = max(0, last - window + 1)
         row_scores = scores.select(2, row)  # [B, Hq, Tk]
-        row_scores.narrow(-1, first, last + 1 - first).add_(reversed_bias.narrow(-1, window - (last + 1 - first),
-                                                                                  last + 1 - first))
+        row_scores.narrow(-1, first, last + 1 - first).add_(table.narrow(-1, capacity - (last + 1 - first),
+                                                                         last + 1 - first))
         if last + 1 < k_len:
             row_scores.narrow(-1, last + 1, k_len - last - 1).fill_(float("-inf"))
     return scores
@@ -407,7 +498,9 @@ def _decode_weights(scores, tau, distance_bias, metadata: LazyMetadata, dtype) -
     for row in range(q_len - 1):  # future keys: p = 0 there, but p + tau / n > 0 when tau > 0
         first_future = metadata.key_offset + row + 1
         weights.select(2, row).narrow(-1, first_future, k_len - first_future).zero_()
-    if metadata.key_offset < distance_bias.shape[-1]:  # a row sees a distance >= W (bias 0) otherwise: alive
+    # a row sees a distance >= W (bias 0) otherwise, and without -inf in the bias its distance 0 is finite
+    if metadata.key_offset < distance_bias.shape[-1] and (
+            metadata.static_buffer or torch.compiler.is_compiling() or _has_neginf(distance_bias)):
         weights.nan_to_num_(nan=0.0)  # a row without a normaliser is NaN throughout; no other entry is NaN
     return weights
 
@@ -450,8 +543,20 @@ def _decode_forward(query, key, value, tau, distance_bias, metadata: LazyMetadat
     if k_len >= _SPARSE_V_MIN_KEYS and not torch.compiler.is_compiling():
         out = _sparse_value_rows(weights, value, k_len, dtype)
     if out is None:
-        out = torch.matmul(weights, (value if value.shape[2] == k_len else value.narrow(2, 0, k_len)).to(dtype))
+        v = (value if value.shape[2] == k_len else value.narrow(2, 0, k_len)).to(dtype)
+        out = torch.matmul(weights, v) if bsz > 1 or not v.is_contiguous() else torch.bmm(  # bmm: fewer ops
+            weights.view(kv_heads, -1, k_len), v.view(kv_heads, k_len, dim)).view(weights.shape[:-1] + (dim,))
     return out.view(bsz, num_heads, q_len, dim).transpose(1, 2).to(query.dtype)
+
+
+def _is_softmax_attention(query, tau, distance_bias, metadata: LazyMetadata) -> bool:
+    """True when this inference call is exactly causal softmax attention, which `scaled_dot_product_attention`
+    computes faster: tau = 0 and a zero distance bias in every head (a checkpoint converted at tau = 0 and not
+    trained since), the plain causal layout, and either one query row or no cached keys (SDPA's causal mask is
+    aligned to the first key). float32/float64 only: lower precisions keep the float32 math of the other paths."""
+    return (query.dtype in (torch.float32, torch.float64) and metadata.causal and not metadata.static_buffer
+            and (query.shape[2] == 1 or metadata.key_offset == 0) and not torch.compiler.is_compiling()
+            and _all_zero(tau) and _all_zero(distance_bias))
 
 
 def lazy_attention_torch(query, key, value, tau, distance_bias, metadata: LazyMetadata, scaling):
@@ -461,6 +566,14 @@ def lazy_attention_torch(query, key, value, tau, distance_bias, metadata: LazyMe
     """
     if torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value, tau, distance_bias)):
         return LazyAttentionTorchFunction.apply(query, key, value, tau, distance_bias, metadata, float(scaling))
+    if _is_softmax_attention(query, tau, distance_bias, metadata):
+        k_len = metadata.key_length
+        return F.scaled_dot_product_attention(
+            query, key[:, :, :k_len], value[:, :, :k_len], is_causal=query.shape[2] > 1, scale=float(scaling),
+            enable_gqa=key.shape[1] != query.shape[1]).transpose(1, 2)
+    if (query.shape[0] == 1 and query.shape[2] == 1 and metadata.causal and not metadata.static_buffer
+            and not torch.compiler.is_compiling()):
+        return _one_row_decode(query, key, value, tau, distance_bias, metadata, float(scaling))
     if query.shape[2] <= _DECODE_MAX_ROWS:
         return _decode_forward(query, key, value, tau, distance_bias, metadata, float(scaling))
     out, _ = _lazy_forward(query, key, value, tau, distance_bias, metadata, float(scaling))

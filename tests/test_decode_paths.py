@@ -43,11 +43,12 @@ def _metadata(layout, bsz, past, q_len):
 @pytest.mark.parametrize("tau_kind", list(TAUS))
 @pytest.mark.parametrize("layout", ["causal", "padded"])
 @pytest.mark.parametrize("shape", list(SHAPES))
-def test_decode_matches_reference(shape, layout, tau_kind, v_read, rng_seed, monkeypatch):
+@pytest.mark.parametrize("bsz", [1, 3])  # one sequence and one row: the one-row path of plain generation
+def test_decode_matches_reference(bsz, shape, layout, tau_kind, v_read, rng_seed, monkeypatch):
     for name, value in V_READS[v_read].items():
         monkeypatch.setattr(ops, name, value)
     heads, kv_heads, q_len, past, window = SHAPES[shape]
-    bsz, dim = 3, 16
+    dim = 16
     meta = _metadata(layout, bsz, past, q_len)
     q = torch.randn(bsz, heads, q_len, dim) * 3  # peaked rows: with tau < 0 most weights are 0
     k = torch.randn(bsz, kv_heads, past + q_len, dim)
@@ -125,7 +126,8 @@ def test_training_never_takes_the_decode_path(rng_seed, monkeypatch):
         raise AssertionError("the decode path is inference-only")
 
     monkeypatch.setattr(ops, "_decode_forward", refuse)
-    bsz, heads, past, dim = 2, 4, 30, 8
+    monkeypatch.setattr(ops, "_one_row_decode", refuse)
+    bsz, heads, past, dim = 1, 4, 30, 8
     meta = ref.lazy_attention_metadata(None, None, past, 1, bsz, CPU)
     q = torch.randn(bsz, heads, 1, dim, requires_grad=True)
     k, v = (torch.randn(bsz, 2, past + 1, dim, requires_grad=True) for _ in range(2))
@@ -174,13 +176,13 @@ def test_generate_with_an_all_ones_mask_decodes_in_the_causal_layout(monkeypatch
     from tests.conftest import tiny_model
 
     seen = []
-    decode = ops._decode_forward
+    one_row = ops._one_row_decode
 
     def spy(query, key, value, tau, distance_bias, metadata, scaling):
         seen.append(metadata.causal)
-        return decode(query, key, value, tau, distance_bias, metadata, scaling)
+        return one_row(query, key, value, tau, distance_bias, metadata, scaling)
 
-    monkeypatch.setattr(ops, "_decode_forward", spy)
+    monkeypatch.setattr(ops, "_one_row_decode", spy)  # taken only in the causal layout
     model = tiny_model(seed=rng_seed, attn_implementation="lazy")
     ids = torch.randint(3, 97, (1, 20))
     with torch.no_grad():
@@ -203,3 +205,48 @@ def test_decode_traces_as_one_graph(layout, rng_seed):
     want, _ = ref.lazy_attention_reference(q, k, v, tau, bias, meta, dim**-0.5)
     valid = meta.q_seg >= 0
     torch.testing.assert_close(got[valid], want[valid], atol=2e-5, rtol=1e-4, msg=f"seed {rng_seed}")
+
+
+@pytest.mark.parametrize("q_len, past", [(1, 40), (9, 0), (1, 0)], ids=["decode", "prefill", "first-token"])
+def test_tau_zero_and_zero_bias_is_softmax_attention_through_sdpa(q_len, past, rng_seed, monkeypatch):
+    """A checkpoint converted at tau = 0 (zero bias) is plain causal softmax attention: SDPA computes it, exactly."""
+    import torch.nn.functional as F
+
+    calls = []
+    sdpa = F.scaled_dot_product_attention
+    monkeypatch.setattr(F, "scaled_dot_product_attention", lambda *a, **kw: calls.append(1) or sdpa(*a, **kw))
+    heads, kv_heads, dim = 6, 2, 16
+    meta = ref.lazy_attention_metadata(None, None, past, q_len, 1, CPU)
+    q = torch.randn(1, heads, q_len, dim, dtype=torch.float64)
+    k, v = (torch.randn(1, kv_heads, past + q_len, dim, dtype=torch.float64) for _ in range(2))
+    tau, bias = torch.zeros(heads), torch.zeros(heads, 16)
+    want, _ = ref.lazy_attention_reference(q, k, v, tau, bias, meta, dim**-0.5)
+    with torch.no_grad():
+        got = ops.lazy_attention_torch(q, k, v, tau, bias, meta, dim**-0.5)
+        assert calls, "the SDPA route was not taken"
+        torch.testing.assert_close(got, want, atol=1e-12, rtol=1e-10, msg=f"seed {rng_seed}")
+        calls.clear()
+        tau[1] = -0.25  # one head with a nonzero tau, changed in place: no longer softmax attention
+        want, _ = ref.lazy_attention_reference(q, k, v, tau, bias, meta, dim**-0.5)
+        got = ops.lazy_attention_torch(q, k, v, tau, bias, meta, dim**-0.5)
+        assert not calls, "tau != 0 must not take the SDPA route"
+        torch.testing.assert_close(got, want, atol=1e-12, rtol=1e-10, msg=f"seed {rng_seed}")
+
+
+def test_cached_bias_facts_follow_in_place_updates_and_longer_caches(rng_seed):
+    """The one-row path keeps a reversed copy of the bias per parameter: an in-place update (optimizer step,
+    load_state_dict) must be seen at once, and a cache longer than the copy's capacity must grow it."""
+    heads, kv_heads, dim, window = 4, 2, 16, 40
+    tau, bias = _tau("negative", heads), torch.randn(heads, window)
+    with torch.no_grad():
+        for past in (5, 30, 1500, 3000, 30):  # 1500 and 3000 exceed the first capacity (1024), then double it
+            for update in range(2):
+                meta = ref.lazy_attention_metadata(None, None, past, 1, 1, CPU)
+                q = torch.randn(1, heads, 1, dim) * 3
+                k, v = (torch.randn(1, kv_heads, past + 1, dim) for _ in range(2))
+                want, _ = ref.lazy_attention_reference(q, k, v, tau, bias, meta, dim**-0.5)
+                got = ops.lazy_attention_torch(q, k, v, tau, bias, meta, dim**-0.5)
+                torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4, msg=f"past {past}, seed {rng_seed}")
+                bias.mul_(1.5).add_(0.25)  # in place: same tensor, new values (-inf stays -inf)
+                if update == 0:
+                    bias[1, :3] = float("-inf")  # -inf appears: rows that see only these distances give 0
