@@ -309,7 +309,10 @@ def main(argv=None):
         benches[name.strip()](size)
     if args.json:
         with open(args.json, "w") as handle:
+            from lazy_tools.replicate import code_version  # the git commit measured (and uncommitted files)
+
             json.dump({"command": " ".join(["python -m benchmarks.cpu_benchmarks", *(argv or sys.argv[1:])]),
+                       "code": code_version(),
                        "machine": machine, "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
                        "seconds": round(time.time() - started), "rows": RESULTS}, handle, indent=1)
 
