@@ -30,7 +30,7 @@ HEAD_DIMS = (64, 128)
 _DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 _INPUT_POINTERS = {"Q", "K", "V", "OUT", "DO", "DQ", "DK", "DV"}
 _FLOAT32_POINTERS = {"TAU", "BIAS", "BAND", "LSE", "M_PART", "L_PART", "O_PART", "DELTA", "DTAU_PART", "DBIAS_PART",
-                     "SCORES", "LSE2"}
+                     "SCORES", "LSE2", "U"}
 _INT32_POINTERS = {"QPOS", "KPOS", "QSEG", "KSEG", "STATS", "KLEN", "BLOCK_TABLE", "QUERY_START", "TILES"}
 
 
@@ -70,6 +70,7 @@ def shipped_builds(dtypes=(torch.bfloat16, torch.float16, torch.float32)) -> lis
             for dim in HEAD_DIMS:
                 builds += [Build("_lazy_fwd_kernel", "fwd", dtype, dim, arch),
                            Build("_lazy_causal_fwd_kernel", "causal_fwd", dtype, dim, arch),
+                           Build("_lazy_causal_fwd_kernel", "causal_fwd_u", dtype, dim, arch),
                            Build("_lazy_paged_fwd_kernel", "paged_fwd", dtype, dim, arch, page_size=16),
                            Build("_lazy_fwd_kernel", "decode", dtype, dim, arch),
                            Build("_lazy_fwd_split_lse_kernel", "decode", dtype, dim, arch),
@@ -95,7 +96,7 @@ def _constexprs(module, build: Build) -> dict:
     block_m, block_n, _, _ = module._config(build.kind, max(16, build.head_dim), _family(build))
     return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=max(16, build.head_dim), D=build.head_dim,
                 SKIP=True, WITH_STATS=False, UPCAST=False, PRECISION=module._DOT_PRECISION[build.dtype],
-                PAGE_SIZE=build.page_size)
+                PAGE_SIZE=build.page_size, STORE_U=build.kind == "causal_fwd_u")
 
 
 def aot_compile(fn, pointer_types: dict, constexprs: dict, arch: int, num_warps: int, num_stages: int):
