@@ -18,7 +18,8 @@ Kernels, in data-flow order:
                                and partial outputs are combined with a few torch ops (no host sync)
     _lazy_causal_fwd_kernel    the forward's causal fast path (`LazyMetadata.causal`, query length > 16): no
                                per-key metadata, loop bounds instead of masks, the distance bias from a per-head
-                               band, exp2, loads Triton pipelines; dense (no tile skipping)
+                               band, exp2, loads Triton pipelines; dense (no tile skipping). For training it
+                               also stores U_i = sum_j m_ij v_j (one more, exact 0/1, product in pass 2)
     _lazy_paged_fwd_kernel     the causal fast path's passes (`_causal_passes`) for a mixed vLLM step: query tiles of
                                many requests (varlen), K and V through the paged cache's block table
     _lazy_decode_lse_kernel / _lazy_decode_out_kernel
@@ -30,8 +31,9 @@ Kernels, in data-flow order:
     _lazy_bwd_dkdv_kernel      dk, dv (GQA: loops over the query heads of one KV head, never repeats K/V)
                                and per-tile d distance_bias partials
     _lazy_causal_bwd_delta_kernel / _lazy_causal_bwd_dq_kernel / _lazy_causal_bwd_dkdv_kernel
-                               the backward's causal fast path (after the causal forward), built like it; the
-                               dq kernel also reduces d distance_bias along the diagonals of each dS tile
+                               the backward's causal fast path (after the causal forward), built like it: Delta
+                               and d tau from the forward's U (no pass over the keys); the dq kernel also
+                               reduces d distance_bias along the diagonals of each dS tile
 Then the launchers, the `autograd.Function`, the public `lazy_attention_triton`,
 `lazy_attention_triton_paged_decode` (one token per request against vLLM's paged cache) and
 `lazy_attention_triton_paged` (a mixed step of prompts, chunks and decode tokens against it).
@@ -880,7 +882,8 @@ def _lazy_bwd_dkdv_kernel(Q, K, V, TAU, BIAS, QPOS, KPOS, QSEG, KSEG, LSE, DELTA
 # Causal fast path, backward (the forward took `_lazy_causal_fwd_kernel`). Same key ranges, band and exp2 as the
 # forward: p = exp2(s - LSE_i log2(e)) with the stored natural-unit LSE, loop bounds instead of visibility tests,
 # no per-key metadata, unconditional (pipelined) loads. Dense: no tile skipping.
-#     _lazy_causal_bwd_delta_kernel   Delta_i = sum_j m p dP and the d tau partials, per query tile
+#     _lazy_causal_bwd_delta_kernel   Delta_i = dO_i . (O_i - t_i U_i) (= sum_j m p dP, t_i = tau_h / n_i) and the
+#                                     d tau partials from the U the training forward stored; no key loop
 #     _lazy_causal_bwd_dq_kernel      dq and the d distance_bias partials, per query tile
 #     _lazy_causal_bwd_dkdv_kernel    dk, dv terms per key tile and query head (GQA: summed by the launcher) on
 #                                     transposed tiles; query tiles at the causal limit, in the window, beyond it
@@ -952,7 +955,8 @@ def _lazy_causal_bwd_delta_kernel(OUT, U, DO, TAU, QPOS, DELTA, DTAU_PART, strid
     """Causal fast path's Delta from the forward's U (the U identity, docs/design.md): with t_i = tau_h / n_i,
     `Delta_i = dO_i . (O_i - t_i U_i)` (= sum_j m p dP) and the tile's d tau partial `sum_i dO_i . U_i / n_i`
     (= sum_i sum_j m dP / n_i). OUT, U, DO `[B, Tq, Hq, D]` (strides `stride_o*` for OUT and U). No pass over the
-    keys. Grid (cdiv(Tq, BM), B * Hq)."""
+    keys. O is read as stored (the input dtype, as FlashAttention's rowsum(dO * O) reads it), U in float32.
+    Grid (cdiv(Tq, BM), B * Hq)."""
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = (pid_bh // Hq).to(tl.int64)
