@@ -82,7 +82,7 @@ def shipped_builds(dtypes=(torch.bfloat16, torch.float16, torch.float32)) -> lis
                            Build("_lazy_bwd_delta_kernel", "delta", dtype, dim, arch),
                            Build("_lazy_bwd_dq_kernel", "dq", dtype, dim, arch),
                            Build("_lazy_bwd_dkdv_kernel", "dkdv", dtype, dim, arch),
-                           Build("_lazy_causal_bwd_delta_kernel", "causal_delta", dtype, dim, arch),
+                           Build("_lazy_causal_bwd_delta_kernel", "causal_delta", dtype, dim, arch, matmul=False),
                            Build("_lazy_causal_bwd_dq_kernel", "causal_dq", dtype, dim, arch),
                            Build("_lazy_causal_bwd_dkdv_kernel", "causal_dkdv", dtype, dim, arch)]
     return builds
@@ -186,7 +186,7 @@ def markdown_table(rows) -> str:
     for build, usage, _ in rows:
         c = _constexprs(module, build)
         warps = module._config(build.kind, c["BLOCK_D"], _family(build))[2]
-        wgmma = ("yes" if usage["wgmma"] else "no") if build.arch >= 90 else "n/a"
+        wgmma = ("yes" if usage["wgmma"] else "no") if build.arch >= 90 and build.matmul else "n/a"
         lines.append(f"| {build.label} | {c['BLOCK_M']} x {c['BLOCK_N']} | {warps} | "
                      f"{_DTYPE_NAMES[build.dtype]} | {build.head_dim} | sm_{build.arch} | {usage['registers']} | "
                      f"{usage['shared']} | {usage['spill']} | {wgmma} |")

@@ -1448,11 +1448,14 @@ class LazyAttentionTritonFunction(torch.autograd.Function):
     """Fused Lazy Attention; saves q, k, v and the row log-sum-exp (float32) for backward."""
 
     @staticmethod
-    def forward(ctx, query, key, value, tau, distance_bias, metadata: "LazyMetadata", scaling):
+    def forward(ctx, query, key, value, tau, distance_bias, metadata: "LazyMetadata", scaling, training=True):
+        """`training`: a backward may follow (the caller's grad mode; `needs_input_grad` alone is True under no_grad
+        too, for tau and distance_bias): the causal fast path then also stores U for its backward."""
         key_used, value_used, positions = _kernel_inputs(key, value, metadata)
-        training = any(ctx.needs_input_grad[:5])  # the causal fast path then also stores U for its backward
-        out, lse, _, u = _forward(query, key_used, value_used, tau, distance_bias, *positions, scaling,
-                                  causal=metadata.causal, store_u=training)
+        training = training and any(ctx.needs_input_grad[:5])
+        result = _forward(query, key_used, value_used, tau, distance_bias, *positions, scaling,
+                          causal=metadata.causal, store_u=training)
+        out, lse, u = result[0], result[1], result[3] if training else None
         ctx.save_for_backward(query, key, value, tau, distance_bias, lse, out if u is not None else None, u)
         ctx.lazy_metadata, ctx.scaling = metadata, scaling
         return out
@@ -1466,7 +1469,7 @@ class LazyAttentionTritonFunction(torch.autograd.Function):
         if key_used.shape[2] != key.shape[2]:  # gradients of the unused (unwritten) cache slots are 0
             dk = torch.cat([dk, dk.new_zeros(*dk.shape[:2], key.shape[2] - dk.shape[2], dk.shape[3])], dim=2)
             dv = torch.cat([dv, dv.new_zeros(*dv.shape[:2], value.shape[2] - dv.shape[2], dv.shape[3])], dim=2)
-        return dq, dk, dv, d_tau.to(tau.dtype), d_bias.to(distance_bias.dtype), None, None
+        return dq, dk, dv, d_tau.to(tau.dtype), d_bias.to(distance_bias.dtype), None, None, None
 
 
 def lazy_attention_triton(query, key, value, tau, distance_bias, metadata: "LazyMetadata", scaling):
@@ -1480,7 +1483,8 @@ def lazy_attention_triton(query, key, value, tau, distance_bias, metadata: "Lazy
     Returns:
         `out [B, Tq, Hq, D]` in the query dtype; differentiable in query, key, value, tau, distance_bias.
     """
-    return LazyAttentionTritonFunction.apply(query, key, value, tau, distance_bias, metadata, float(scaling))
+    return LazyAttentionTritonFunction.apply(query, key, value, tau, distance_bias, metadata, float(scaling),
+                                             torch.is_grad_enabled())
 
 
 

@@ -29,7 +29,8 @@ def _check(rows):
         name = f"{build.kernel} ({build.kind}, {build.dtype}, D={build.head_dim}, sm_{build.arch})"
         if usage["spill"]:
             problems.append(f"{name}: {usage['spill']} bytes of local/stack memory (register spills)")
-        needs_wgmma = build.arch >= 90 and build.dtype != torch.float32 and build.kind not in DECODE_KERNELS
+        needs_wgmma = (build.matmul and build.arch >= 90 and build.dtype != torch.float32
+                       and build.kind not in DECODE_KERNELS)
         if needs_wgmma and not usage["wgmma"]:
             problems.append(f"{name}: sm_90 build does not use wgmma.mma_async")
     assert not problems, "\n".join(problems)

@@ -309,10 +309,12 @@ def causal_fast_path(kernels):
 def causal_forward_stores_u(kernels):
     """With `store_u` (what training runs) the causal fast-path forward also returns U_i = sum_j m_ij v_j (m_ij = 1
     where the weight is > 0), from which its backward takes Delta and d tau, against float64: both block tables, three
-    key ranges, a key offset, D 64 and 128, tau of both signs; the output is the inference forward's."""
-    errors = {}
+    key ranges, a key offset, D 64 and 128, tau of both signs; the output is the inference forward's. Through
+    `lazy_attention_triton` U is stored only with grad mode on (under no_grad tau and distance_bias still require
+    grad, but no backward can follow)."""
+    errors, stored = {}, []
     cases = {"sm90-three-ranges": (150, 150, 64, 16, "sm90"), "sm80-after-cache-d128": (40, 100, 128, 24, "sm80")}
-    family = kernels._gpu_family
+    family, forward = kernels._gpu_family, kernels._causal_forward
     try:
         for name, (q_len, k_len, dim, window, blocks) in cases.items():
             kernels._gpu_family = lambda device, blocks=blocks: blocks
@@ -326,8 +328,14 @@ def causal_forward_stores_u(kernels):
             torch.testing.assert_close(out, plain[0], rtol=1e-5, atol=1e-6)
             weights, v = reference_weights(query, key, value, tau, bias, *meta, scaling)
             errors[name] = relative_error(u, ((weights > 0).double() @ v).transpose(1, 2))
+        kernels._causal_forward = lambda *args: stored.append(args[-1]) or forward(*args)
+        params = (tau.requires_grad_(), bias.requires_grad_())
+        with torch.no_grad():
+            kernels.lazy_attention_triton(query, key, value, *params, as_metadata(*meta, causal=True), scaling)
+        kernels.lazy_attention_triton(query, key, value, *params, as_metadata(*meta, causal=True), scaling)
     finally:
-        kernels._gpu_family = family
+        kernels._gpu_family, kernels._causal_forward = family, forward
+    assert stored == [False, True], stored
     assert max(errors.values()) < TOLERANCE[torch.float32], errors
     return errors
 
