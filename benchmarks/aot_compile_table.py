@@ -187,7 +187,8 @@ def markdown_table(rows) -> str:
         c = _constexprs(module, build)
         warps = module._config(build.kind, c["BLOCK_D"], _family(build))[2]
         wgmma = ("yes" if usage["wgmma"] else "no") if build.arch >= 90 and build.matmul else "n/a"
-        lines.append(f"| {build.label} | {c['BLOCK_M']} x {c['BLOCK_N']} | {warps} | "
+        blocks = f"{c['BLOCK_M']} x {c['BLOCK_N']}" if c["BLOCK_N"] else f"{c['BLOCK_M']} rows"  # no key tiles
+        lines.append(f"| {build.label} | {blocks} | {warps} | "
                      f"{_DTYPE_NAMES[build.dtype]} | {build.head_dim} | sm_{build.arch} | {usage['registers']} | "
                      f"{usage['shared']} | {usage['spill']} | {wgmma} |")
     return "\n".join(lines)
