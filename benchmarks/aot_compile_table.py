@@ -30,7 +30,7 @@ HEAD_DIMS = (64, 128)
 _DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 _INPUT_POINTERS = {"Q", "K", "V", "OUT", "DO", "DQ", "DK", "DV"}
 _FLOAT32_POINTERS = {"TAU", "BIAS", "BAND", "LSE", "M_PART", "L_PART", "O_PART", "DELTA", "DTAU_PART", "DBIAS_PART",
-                     "SCORES", "LSE2"}
+                     "SCORES", "LSE2", "U"}
 _INT32_POINTERS = {"QPOS", "KPOS", "QSEG", "KSEG", "STATS", "KLEN", "BLOCK_TABLE", "QUERY_START", "TILES"}
 
 
@@ -70,6 +70,7 @@ def shipped_builds(dtypes=(torch.bfloat16, torch.float16, torch.float32)) -> lis
             for dim in HEAD_DIMS:
                 builds += [Build("_lazy_fwd_kernel", "fwd", dtype, dim, arch),
                            Build("_lazy_causal_fwd_kernel", "causal_fwd", dtype, dim, arch),
+                           Build("_lazy_causal_fwd_kernel", "causal_fwd_u", dtype, dim, arch),
                            Build("_lazy_paged_fwd_kernel", "paged_fwd", dtype, dim, arch, page_size=16),
                            Build("_lazy_fwd_kernel", "decode", dtype, dim, arch),
                            Build("_lazy_fwd_split_lse_kernel", "decode", dtype, dim, arch),
@@ -81,7 +82,7 @@ def shipped_builds(dtypes=(torch.bfloat16, torch.float16, torch.float32)) -> lis
                            Build("_lazy_bwd_delta_kernel", "delta", dtype, dim, arch),
                            Build("_lazy_bwd_dq_kernel", "dq", dtype, dim, arch),
                            Build("_lazy_bwd_dkdv_kernel", "dkdv", dtype, dim, arch),
-                           Build("_lazy_causal_bwd_delta_kernel", "causal_delta", dtype, dim, arch),
+                           Build("_lazy_causal_bwd_delta_kernel", "causal_delta", dtype, dim, arch, matmul=False),
                            Build("_lazy_causal_bwd_dq_kernel", "causal_dq", dtype, dim, arch),
                            Build("_lazy_causal_bwd_dkdv_kernel", "causal_dkdv", dtype, dim, arch)]
     return builds
@@ -95,7 +96,7 @@ def _constexprs(module, build: Build) -> dict:
     block_m, block_n, _, _ = module._config(build.kind, max(16, build.head_dim), _family(build))
     return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=max(16, build.head_dim), D=build.head_dim,
                 SKIP=True, WITH_STATS=False, UPCAST=False, PRECISION=module._DOT_PRECISION[build.dtype],
-                PAGE_SIZE=build.page_size)
+                PAGE_SIZE=build.page_size, STORE_U=build.kind == "causal_fwd_u")
 
 
 def aot_compile(fn, pointer_types: dict, constexprs: dict, arch: int, num_warps: int, num_stages: int):
@@ -185,8 +186,9 @@ def markdown_table(rows) -> str:
     for build, usage, _ in rows:
         c = _constexprs(module, build)
         warps = module._config(build.kind, c["BLOCK_D"], _family(build))[2]
-        wgmma = ("yes" if usage["wgmma"] else "no") if build.arch >= 90 else "n/a"
-        lines.append(f"| {build.label} | {c['BLOCK_M']} x {c['BLOCK_N']} | {warps} | "
+        wgmma = ("yes" if usage["wgmma"] else "no") if build.arch >= 90 and build.matmul else "n/a"
+        blocks = f"{c['BLOCK_M']} x {c['BLOCK_N']}" if c["BLOCK_N"] else f"{c['BLOCK_M']} rows"  # no key tiles
+        lines.append(f"| {build.label} | {blocks} | {warps} | "
                      f"{_DTYPE_NAMES[build.dtype]} | {build.head_dim} | sm_{build.arch} | {usage['registers']} | "
                      f"{usage['shared']} | {usage['spill']} | {wgmma} |")
     return "\n".join(lines)

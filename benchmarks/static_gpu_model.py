@@ -382,14 +382,25 @@ def _causal_ranges(p: Problem, m0: int, bm: int, bn: int) -> tuple[int, int, int
     return far // bn, (full - far) // bn, _cdiv(max(hi - full, 0), bn)
 
 
-def _lazy_causal_fwd_work(p: Problem, blocks, sms):
-    """Pass 1 and pass 2, each: beyond the window, inside it, at the causal limit."""
+def _lazy_causal_fwd_work(p: Problem, blocks, sms, store_u: bool = False):
+    """Pass 1 and pass 2, each: beyond the window, inside it, at the causal limit. `store_u` (training): U written
+    too (float32)."""
     bm, bn = blocks
     ranges = [_causal_ranges(p, m * bm, bm, bn) for m in range(_cdiv(p.length, bm))]
     bh = p.batch * p.heads
     per_loop = [bh * sum(r[i] for r in ranges) for i in range(3)]
     qkvo = _bytes(2 * bh * p.length * p.dim, 2 * p.batch * p.kv_heads * p.length * p.dim)
-    return Work(bh * len(ranges), per_loop * 2, qkvo + 4 * bh * p.length, (bm, bn))
+    u = 4 * bh * p.length * p.dim if store_u else 0
+    return Work(bh * len(ranges), per_loop * 2, qkvo + u + 4 * bh * p.length, (bm, bn))
+
+
+def _lazy_causal_delta_work(p: Problem, blocks, sms):
+    """Causal Delta from U: one query tile per program, no key loop; reads O, dO (bf16) and U (float32)."""
+    bm, _ = blocks
+    bh = p.batch * p.heads
+    rows = bh * p.length
+    return Work(bh * _cdiv(p.length, bm), [], (2 + 2 + 4) * rows * p.dim + 4 * rows + 4 * p.batch * p.length,
+                (bm, p.dim))
 
 
 def _lazy_causal_bwd_query_work(p: Problem, blocks, sms, writes_dq: bool):
@@ -543,8 +554,10 @@ LAZY_FAST = {
                              _lazy_decode_lse_work),
     "decode_out": KernelSpec("lazy packed decode pass 2", "lazy", "_lazy_decode_out_kernel", "packed_decode",
                              _lazy_decode_out_work),
-    "delta": KernelSpec("lazy bwd Delta (causal)", "lazy", "_lazy_causal_bwd_delta_kernel", "causal_delta",
-                        partial(_lazy_causal_bwd_query_work, writes_dq=False)),
+    "fwd_u": KernelSpec("lazy fwd + U (causal, training)", "lazy", "_lazy_causal_fwd_kernel", "causal_fwd_u",
+                        partial(_lazy_causal_fwd_work, store_u=True)),
+    "delta": KernelSpec("lazy bwd Delta from U (causal)", "lazy", "_lazy_causal_bwd_delta_kernel", "causal_delta",
+                        _lazy_causal_delta_work),
     "dq": KernelSpec("lazy bwd dq (causal)", "lazy", "_lazy_causal_bwd_dq_kernel", "causal_dq",
                      partial(_lazy_causal_bwd_query_work, writes_dq=True)),
     "dkdv": KernelSpec("lazy bwd dk/dv (causal)", "lazy", "_lazy_causal_bwd_dkdv_kernel", "causal_dkdv",
@@ -559,7 +572,7 @@ FA2 = {
 # Scenario -> kernels run, for each implementation
 SCENARIOS = {
     "lazy (general)": {"forward": ["fwd"], "training": ["fwd", "delta", "dq", "dkdv"], "decode": ["decode"]},
-    "lazy (causal fast path)": {"forward": ["fwd"], "training": ["fwd", "delta", "dq", "dkdv"],
+    "lazy (causal fast path)": {"forward": ["fwd"], "training": ["fwd_u", "delta", "dq", "dkdv"],
                                 "decode": ["decode_lse", "decode_out"]},
     "FA2-style": {"forward": ["fwd"], "training": ["fwd", "preprocess", "bwd"], "decode": ["decode"]},
 }

@@ -18,7 +18,8 @@ Kernels, in data-flow order:
                                and partial outputs are combined with a few torch ops (no host sync)
     _lazy_causal_fwd_kernel    the forward's causal fast path (`LazyMetadata.causal`, query length > 16): no
                                per-key metadata, loop bounds instead of masks, the distance bias from a per-head
-                               band, exp2, loads Triton pipelines; dense (no tile skipping)
+                               band, exp2, loads Triton pipelines; dense (no tile skipping). For training it
+                               also stores U_i = sum_j m_ij v_j (one more, exact 0/1, product in pass 2)
     _lazy_paged_fwd_kernel     the causal fast path's passes (`_causal_passes`) for a mixed vLLM step: query tiles of
                                many requests (varlen), K and V through the paged cache's block table
     _lazy_decode_lse_kernel / _lazy_decode_out_kernel
@@ -30,8 +31,9 @@ Kernels, in data-flow order:
     _lazy_bwd_dkdv_kernel      dk, dv (GQA: loops over the query heads of one KV head, never repeats K/V)
                                and per-tile d distance_bias partials
     _lazy_causal_bwd_delta_kernel / _lazy_causal_bwd_dq_kernel / _lazy_causal_bwd_dkdv_kernel
-                               the backward's causal fast path (after the causal forward), built like it; the
-                               dq kernel also reduces d distance_bias along the diagonals of each dS tile
+                               the backward's causal fast path (after the causal forward), built like it: Delta
+                               and d tau from the forward's U (no pass over the keys); the dq kernel also
+                               reduces d distance_bias along the diagonals of each dS tile
 Then the launchers, the `autograd.Function`, the public `lazy_attention_triton`,
 `lazy_attention_triton_paged_decode` (one token per request against vLLM's paged cache) and
 `lazy_attention_triton_paged` (a mixed step of prompts, chunks and decode tokens against it).
@@ -86,6 +88,8 @@ _CONFIGS = {
         ("fwd", 128): (128, 32, 8, 2),
         ("causal_fwd", 64): (128, 64, 8, 2),
         ("causal_fwd", 128): (128, 64, 8, 2),
+        ("causal_fwd_u", 64): (128, 64, 8, 2),
+        ("causal_fwd_u", 128): (128, 32, 8, 2),
         ("paged_fwd", 64): (128, 64, 8, 2),
         ("paged_fwd", 128): (128, 64, 8, 2),
         ("decode", 64): (16, 64, 4, 2),
@@ -98,8 +102,8 @@ _CONFIGS = {
         ("dq", 128): (64, 64, 8, 2),
         ("dkdv", 64): (128, 32, 8, 2),
         ("dkdv", 128): (128, 32, 8, 2),
-        ("causal_delta", 64): (128, 64, 8, 2),
-        ("causal_delta", 128): (128, 64, 8, 2),
+        ("causal_delta", 64): (64, 0, 4, 1),
+        ("causal_delta", 128): (32, 0, 4, 1),
         ("causal_dq", 64): (128, 64, 8, 2),
         ("causal_dq", 128): (128, 32, 8, 2),
         ("causal_dkdv", 64): (64, 64, 4, 2),
@@ -110,6 +114,8 @@ _CONFIGS = {
         ("fwd", 128): (64, 32, 8, 2),
         ("causal_fwd", 64): (128, 64, 8, 2),
         ("causal_fwd", 128): (64, 32, 4, 2),
+        ("causal_fwd_u", 64): (128, 32, 8, 2),
+        ("causal_fwd_u", 128): (64, 32, 8, 2),
         ("paged_fwd", 64): (128, 64, 8, 2),
         ("paged_fwd", 128): (64, 32, 4, 2),
         ("decode", 64): (16, 64, 4, 2),
@@ -122,8 +128,8 @@ _CONFIGS = {
         ("dq", 128): (64, 32, 8, 2),
         ("dkdv", 64): (64, 32, 8, 2),
         ("dkdv", 128): (32, 64, 8, 2),
-        ("causal_delta", 64): (64, 64, 4, 2),
-        ("causal_delta", 128): (64, 32, 8, 2),
+        ("causal_delta", 64): (64, 0, 4, 1),
+        ("causal_delta", 128): (32, 0, 4, 1),
         ("causal_dq", 64): (64, 32, 8, 2),
         ("causal_dq", 128): (64, 32, 8, 2),
         ("causal_dkdv", 64): (64, 64, 8, 2),
@@ -420,12 +426,13 @@ def _causal_lse_tiles(q, m_i, l_i, K, stride_kt, band, diagonal, lo, hi, Tk, sca
 
 
 @triton.jit
-def _causal_out_tiles(q, acc, K, V, stride_kt, stride_vt, band, diagonal, q_key_idx, lse2, threshold, lo, hi, Tk,
-                      scale_log2, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, D: tl.constexpr,
+def _causal_out_tiles(q, acc, u, K, V, stride_kt, stride_vt, band, diagonal, q_key_idx, lse2, threshold, lo, hi,
+                      Tk, scale_log2, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, D: tl.constexpr,
                       BIAS: tl.constexpr, DIAGONAL: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-                      BT=None, stride_kb=0, stride_vb=0, PAGE_SIZE: tl.constexpr = 0):
+                      BT=None, stride_kb=0, stride_vb=0, PAGE_SIZE: tl.constexpr = 0, STORE_U: tl.constexpr = False):
     """Pass 2 over key tiles [lo, hi): `acc += ReLU(p + tau/n) @ V`; `DIAGONAL` tiles mask later keys (with
-    tau > 0 a masked key would otherwise get tau/n, not 0)."""
+    tau > 0 a masked key would otherwise get tau/n, not 0). `STORE_U`: also `u += m @ V` (m = 1 where the weight
+    is > 0, an exact 0/1 operand) for the backward's Delta."""
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     for start_n in range(lo, hi, BLOCK_N):
@@ -437,18 +444,21 @@ def _causal_out_tiles(q, acc, K, V, stride_kt, stride_vt, band, diagonal, q_key_
         if DIAGONAL:
             a = tl.where(keys[None, :] <= q_key_idx[:, None], a, 0.0)
         acc += _dot(a.to(v.dtype), v, UPCAST, PRECISION)
-    return acc
+        if STORE_U:
+            u = _dot(tl.where(a > 0.0, 1.0, 0.0).to(v.dtype), v, UPCAST, PRECISION, u)
+    return acc, u
 
 
 @triton.jit
 def _causal_passes(q, q_pos, K, V, stride_kt, stride_vt, band_h, BAND_PLANE, TAU_h, m0, Tq, Tk, W, scale_log2,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, D: tl.constexpr,
                    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-                   BT=None, stride_kb=0, stride_vb=0, PAGE_SIZE: tl.constexpr = 0):
+                   BT=None, stride_kb=0, stride_vb=0, PAGE_SIZE: tl.constexpr = 0, STORE_U: tl.constexpr = False):
     """Both passes of the causal fast path for the query rows [m0, m0 + BM) of one head (row i at key index
     i + Tk - Tq, n = q_pos + 1), each as three loops (beyond the window / inside it / at the causal limit).
     `band_h`: the head's band row (q.k units `BAND_PLANE` further on); `TAU_h`: the head's tau. PAGE_SIZE > 0:
-    K and V are a paged cache (`_load_keys`). Returns `(acc [BM, BLOCK_D] float32, alive [BM], lse2 [BM])`."""
+    K and V are a paged cache (`_load_keys`). Returns `(acc [BM, BLOCK_D] float32, u, alive [BM], lse2 [BM])`;
+    `u = sum_j m_ij v_j` (float32) with `STORE_U`, zeros otherwise."""
     offs_m = tl.arange(0, BLOCK_M)
     rows = m0 + offs_m
     far, full, hi = _causal_key_ranges(m0, Tq, Tk, W, BLOCK_M, BLOCK_N)
@@ -472,27 +482,29 @@ def _causal_passes(q, q_pos, K, V, stride_kt, stride_vt, band_h, BAND_PLANE, TAU
 
     q_key_idx = rows + Tk - Tq
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    acc = _causal_out_tiles(q, acc, K, V, stride_kt, stride_vt, band, diagonal, q_key_idx, lse2, threshold, 0, far,
-                            Tk, scale_log2, BLOCK_N, BLOCK_D, D, False, False, UPCAST, PRECISION,
-                            BT, stride_kb, stride_vb, PAGE_SIZE)
-    acc = _causal_out_tiles(q, acc, K, V, stride_kt, stride_vt, band, diagonal, q_key_idx, lse2, threshold, far,
-                            full, Tk, scale_log2, BLOCK_N, BLOCK_D, D, True, False, UPCAST, PRECISION,
-                            BT, stride_kb, stride_vb, PAGE_SIZE)
-    acc = _causal_out_tiles(q, acc, K, V, stride_kt, stride_vt, band, diagonal, q_key_idx, lse2, threshold, full,
-                            hi, Tk, scale_log2, BLOCK_N, BLOCK_D, D, True, True, UPCAST, PRECISION,
-                            BT, stride_kb, stride_vb, PAGE_SIZE)
-    return acc, alive, lse2
+    u = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    acc, u = _causal_out_tiles(q, acc, u, K, V, stride_kt, stride_vt, band, diagonal, q_key_idx, lse2, threshold, 0,
+                               far, Tk, scale_log2, BLOCK_N, BLOCK_D, D, False, False, UPCAST, PRECISION,
+                               BT, stride_kb, stride_vb, PAGE_SIZE, STORE_U)
+    acc, u = _causal_out_tiles(q, acc, u, K, V, stride_kt, stride_vt, band, diagonal, q_key_idx, lse2, threshold, far,
+                               full, Tk, scale_log2, BLOCK_N, BLOCK_D, D, True, False, UPCAST, PRECISION,
+                               BT, stride_kb, stride_vb, PAGE_SIZE, STORE_U)
+    acc, u = _causal_out_tiles(q, acc, u, K, V, stride_kt, stride_vt, band, diagonal, q_key_idx, lse2, threshold,
+                               full, hi, Tk, scale_log2, BLOCK_N, BLOCK_D, D, True, True, UPCAST, PRECISION,
+                               BT, stride_kb, stride_vb, PAGE_SIZE, STORE_U)
+    return acc, u, alive, lse2
 
 
 @triton.jit
-def _lazy_causal_fwd_kernel(Q, K, V, TAU, BAND, QPOS, OUT, LSE,
+def _lazy_causal_fwd_kernel(Q, K, V, TAU, BAND, QPOS, OUT, LSE, U,
                             stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt,
                             stride_vb, stride_vh, stride_vt, stride_ob, stride_oh, stride_ot,
                             Hq, Tq, Tk, W, GROUPS, BAND_LEN, scale_log2,
                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, D: tl.constexpr,
-                            UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+                            UPCAST: tl.constexpr, PRECISION: tl.constexpr, STORE_U: tl.constexpr):
     """Causal fast path, one query tile of one query head: `_causal_passes`. Grid: (cdiv(Tq, BM), B * Hq). LSE in
-    natural units."""
+    natural units. `STORE_U` (training): also U_i = sum_j m_ij v_j into U (float32, OUT's shape and strides), from
+    which `_lazy_causal_bwd_delta_kernel` gets Delta and d tau without another pass over the keys."""
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = (pid_bh // Hq).to(tl.int64)
@@ -504,11 +516,15 @@ def _lazy_causal_fwd_kernel(Q, K, V, TAU, BAND, QPOS, OUT, LSE,
     row_mask = rows < Tq
     q = _load_rows(Q + b * stride_qb + h.to(tl.int64) * stride_qh, stride_qt, rows, offs_d, Tq, D)
     q_pos = tl.load(QPOS + b * Tq + rows, mask=row_mask, other=0)
-    acc, alive, lse2 = _causal_passes(q, q_pos, K + b * stride_kb + hk * stride_kh, V + b * stride_vb + hk * stride_vh,
-                                      stride_kt, stride_vt, BAND + h * BAND_LEN, Hq * BAND_LEN, TAU + h, m0, Tq, Tk, W,
-                                      scale_log2, BLOCK_M, BLOCK_N, BLOCK_D, D, UPCAST, PRECISION)
-    out_ptrs = OUT + b * stride_ob + h.to(tl.int64) * stride_oh + rows[:, None] * stride_ot + offs_d[None, :]
-    tl.store(out_ptrs, acc.to(OUT.dtype.element_ty), mask=row_mask[:, None] & (offs_d[None, :] < D))
+    acc, u, alive, lse2 = _causal_passes(q, q_pos, K + b * stride_kb + hk * stride_kh,
+                                         V + b * stride_vb + hk * stride_vh, stride_kt, stride_vt, BAND + h * BAND_LEN,
+                                         Hq * BAND_LEN, TAU + h, m0, Tq, Tk, W, scale_log2, BLOCK_M, BLOCK_N, BLOCK_D,
+                                         D, UPCAST, PRECISION, STORE_U=STORE_U)
+    out_offs = b * stride_ob + h.to(tl.int64) * stride_oh + rows[:, None] * stride_ot + offs_d[None, :]
+    out_mask = row_mask[:, None] & (offs_d[None, :] < D)
+    tl.store(OUT + out_offs, acc.to(OUT.dtype.element_ty), mask=out_mask)
+    if STORE_U:
+        tl.store(U + out_offs, u, mask=out_mask)
     tl.store(LSE + pid_bh.to(tl.int64) * Tq + rows, tl.where(alive, lse2 * 0.6931471805599453, _DEAD_ROW_LSE),
              mask=row_mask)
 
@@ -537,10 +553,10 @@ def _lazy_paged_fwd_kernel(Q, K, V, TAU, BAND, BLOCK_TABLE, QUERY_START, KLEN, T
     rows = m0 + tl.arange(0, BLOCK_M)
     row_mask = rows < Tq
     q = _load_rows(Q + q_start.to(tl.int64) * stride_qt + h.to(tl.int64) * stride_qh, stride_qt, rows, offs_d, Tq, D)
-    acc, _, _ = _causal_passes(q, rows + Tk - Tq, K + hk * stride_kh, V + hk * stride_vh, stride_kt, stride_vt,
-                               BAND + h * BAND_LEN, Hq * BAND_LEN, TAU + h, m0, Tq, Tk, W, scale_log2,
-                               BLOCK_M, BLOCK_N, BLOCK_D, D, UPCAST, PRECISION,
-                               BLOCK_TABLE + r.to(tl.int64) * stride_tb, stride_kb, stride_vb, PAGE_SIZE)
+    acc, _, _, _ = _causal_passes(q, rows + Tk - Tq, K + hk * stride_kh, V + hk * stride_vh, stride_kt, stride_vt,
+                                  BAND + h * BAND_LEN, Hq * BAND_LEN, TAU + h, m0, Tq, Tk, W, scale_log2,
+                                  BLOCK_M, BLOCK_N, BLOCK_D, D, UPCAST, PRECISION,
+                                  BLOCK_TABLE + r.to(tl.int64) * stride_tb, stride_kb, stride_vb, PAGE_SIZE)
     out_ptrs = OUT + (q_start + rows).to(tl.int64)[:, None] * stride_ot + h.to(tl.int64) * stride_oh + offs_d[None, :]
     tl.store(out_ptrs, acc.to(OUT.dtype.element_ty), mask=row_mask[:, None] & (offs_d[None, :] < D))
 
@@ -866,7 +882,8 @@ def _lazy_bwd_dkdv_kernel(Q, K, V, TAU, BIAS, QPOS, KPOS, QSEG, KSEG, LSE, DELTA
 # Causal fast path, backward (the forward took `_lazy_causal_fwd_kernel`). Same key ranges, band and exp2 as the
 # forward: p = exp2(s - LSE_i log2(e)) with the stored natural-unit LSE, loop bounds instead of visibility tests,
 # no per-key metadata, unconditional (pipelined) loads. Dense: no tile skipping.
-#     _lazy_causal_bwd_delta_kernel   Delta_i = sum_j m p dP and the d tau partials, per query tile
+#     _lazy_causal_bwd_delta_kernel   Delta_i = dO_i . (O_i - t_i U_i) (= sum_j m p dP, t_i = tau_h / n_i) and the
+#                                     d tau partials from the U the training forward stored; no key loop
 #     _lazy_causal_bwd_dq_kernel      dq and the d distance_bias partials, per query tile
 #     _lazy_causal_bwd_dkdv_kernel    dk, dv terms per key tile and query head (GQA: summed by the launcher) on
 #                                     transposed tiles; query tiles at the causal limit, in the window, beyond it
@@ -906,13 +923,12 @@ def _diagonal_sums(t, ROWS: tl.constexpr, COLS: tl.constexpr):
 
 
 @triton.jit
-def _causal_bwd_query_tiles(q, do, lse2, threshold, delta, m_dp_sum, acc, K, V, stride_kt, stride_vt, band,
-                            diagonal, q_key_idx, dbias_row, base, lo, hi, Tk, W, scale_log2, BLOCK_M: tl.constexpr,
+def _causal_bwd_query_tiles(q, do, lse2, threshold, delta, acc, K, V, stride_kt, stride_vt, band, diagonal,
+                            q_key_idx, dbias_row, base, lo, hi, Tk, W, scale_log2, BLOCK_M: tl.constexpr,
                             BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, D: tl.constexpr, BIAS: tl.constexpr,
-                            DIAGONAL: tl.constexpr, DQ: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
-    """Key tiles [lo, hi) of one query tile. `DQ`: acc += dS @ K (delta given) and, with `BIAS`, the diagonal sums
-    of dS into the private bias row at distances base - start_n + r (near) and that - BM (wrapped). Otherwise the
-    row sums delta += sum_j m p dP and m_dp_sum += sum_j m dP."""
+                            DIAGONAL: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    """Key tiles [lo, hi) of one query tile: acc += dS @ K and, with `BIAS`, the diagonal sums of dS into the
+    private bias row at distances base - start_n + r (near) and that - BM (wrapped)."""
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     for start_n in range(lo, hi, BLOCK_N):
@@ -922,30 +938,57 @@ def _causal_bwd_query_tiles(q, do, lse2, threshold, delta, m_dp_sum, acc, K, V, 
         p, alive = _causal_bwd_tile(q, k, band, start_n, diagonal, keys[None, :] <= q_key_idx[:, None],
                                     lse2[:, None], threshold[:, None], scale_log2, BIAS, DIAGONAL, UPCAST, PRECISION)
         dp = tl.where(alive, _dot(do, tl.trans(v), UPCAST, PRECISION), 0.0)
-        if DQ:
-            ds = p * (dp - delta[:, None])
-            acc = _dot(ds.to(k.dtype), k, UPCAST, PRECISION, acc)
-            if BIAS:  # two [BM] atomics per tile, into the program's private row
-                near, wrapped = _diagonal_sums(ds, BLOCK_M, BLOCK_N)
-                dist = base - start_n + tl.arange(0, BLOCK_M)
-                tl.atomic_add(dbias_row + dist, near, mask=(dist >= 0) & (dist < W))
-                tl.atomic_add(dbias_row + dist - BLOCK_M, wrapped, mask=(dist >= BLOCK_M) & (dist - BLOCK_M < W))
-        else:
-            delta += tl.sum(p * dp, 1)
-            m_dp_sum += tl.sum(dp, 1)
-    return delta, m_dp_sum, acc
+        ds = p * (dp - delta[:, None])
+        acc = _dot(ds.to(k.dtype), k, UPCAST, PRECISION, acc)
+        if BIAS:  # two [BM] atomics per tile, into the program's private row
+            near, wrapped = _diagonal_sums(ds, BLOCK_M, BLOCK_N)
+            dist = base - start_n + tl.arange(0, BLOCK_M)
+            tl.atomic_add(dbias_row + dist, near, mask=(dist >= 0) & (dist < W))
+            tl.atomic_add(dbias_row + dist - BLOCK_M, wrapped, mask=(dist >= BLOCK_M) & (dist - BLOCK_M < W))
+    return acc
 
 
 @triton.jit
-def _causal_bwd_query(Q, K, V, TAU, BAND, QPOS, QSEG, LSE, DO, DELTA, DBIAS_PART,
-                      stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt,
-                      stride_vb, stride_vh, stride_vt, stride_dob, stride_doh, stride_dot,
-                      Hq, Tq, Tk, W, GROUPS, BAND_LEN, scale_log2,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, D: tl.constexpr,
-                      DQ: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
-    """Body of the Delta (`DQ` False) and dq kernels: one query tile of one query head over its key tiles in the
-    forward's three ranges. Returns the tile's prologue values and `(delta, m_dp_sum, acc)`."""
-    pid_m, pid_bh, b, h, hk, rows, offs_d, row_mask, q, do, q_pos, _, lse, inv_n, threshold, _ = _bwd_query_tile(
+def _lazy_causal_bwd_delta_kernel(OUT, U, DO, TAU, QPOS, DELTA, DTAU_PART, stride_ob, stride_oh, stride_ot,
+                                  stride_dob, stride_doh, stride_dot, Hq, Tq, BLOCK_M: tl.constexpr,
+                                  BLOCK_D: tl.constexpr, D: tl.constexpr):
+    """Causal fast path's Delta from the forward's U (the U identity, docs/design.md): with t_i = tau_h / n_i,
+    `Delta_i = dO_i . (O_i - t_i U_i)` (= sum_j m p dP) and the tile's d tau partial `sum_i dO_i . U_i / n_i`
+    (= sum_i sum_j m dP / n_i). OUT, U, DO `[B, Tq, Hq, D]` (strides `stride_o*` for OUT and U). No pass over the
+    keys. O is read as stored (the input dtype, as FlashAttention's rowsum(dO * O) reads it), U in float32.
+    Grid (cdiv(Tq, BM), B * Hq)."""
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // Hq).to(tl.int64)
+    h = (pid_bh % Hq).to(tl.int64)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    row_mask = rows < Tq
+    mask = row_mask[:, None] & (offs_d[None, :] < D)
+    offs = b * stride_ob + h * stride_oh + rows[:, None] * stride_ot + offs_d[None, :]
+    o = tl.load(OUT + offs, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(U + offs, mask=mask, other=0.0)
+    do = tl.load(DO + b * stride_dob + h * stride_doh + rows[:, None] * stride_dot + offs_d[None, :], mask=mask,
+                 other=0.0).to(tl.float32)
+    inv_n = 1.0 / (tl.load(QPOS + b * Tq + rows, mask=row_mask, other=0) + 1).to(tl.float32)
+    do_u = tl.sum(do * u, 1)
+    tl.store(DELTA + pid_bh.to(tl.int64) * Tq + rows, tl.sum(do * o, 1) - tl.load(TAU + h) * inv_n * do_u,
+             mask=row_mask)
+    tl.store(DTAU_PART + pid_bh.to(tl.int64) * tl.num_programs(0) + pid_m, tl.sum(do_u * inv_n, 0))
+
+
+@triton.jit
+def _lazy_causal_bwd_dq_kernel(Q, K, V, TAU, BAND, QPOS, QSEG, LSE, DO, DELTA, DQ, DBIAS_PART,
+                               stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt,
+                               stride_vb, stride_vh, stride_vt, stride_dob, stride_doh, stride_dot,
+                               Hq, Tq, Tk, W, GROUPS, BAND_LEN, scale_log2, scaling,
+                               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                               D: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    """Causal fast path of `_lazy_bwd_dq_kernel`: dq_i = scaling sum_j dS_ij k_j over the forward's three key
+    ranges, and the query tile's d distance_bias partial, a private float32 row of DBIAS_PART
+    [B * Hq * cdiv(Tq, BM), W] (which no other program adds to). Grid (cdiv(Tq, BM), B * Hq)."""
+    tl.static_assert(BLOCK_N <= BLOCK_M)  # `_diagonal_sums` wraps each column at most once
+    pid_m, pid_bh, b, h, hk, rows, offs_d, row_mask, q, do, q_pos, _, lse, _, threshold, _ = _bwd_query_tile(
         Q, DO, TAU, QPOS, QSEG, LSE, stride_qb, stride_qh, stride_qt, stride_dob, stride_doh, stride_dot,
         Hq, Tq, Tk, GROUPS, BLOCK_M, BLOCK_D, D)
     m0 = pid_m * BLOCK_M
@@ -956,58 +999,16 @@ def _causal_bwd_query(Q, K, V, TAU, BAND, QPOS, QSEG, LSE, DO, DELTA, DBIAS_PART
     diagonal = tl.arange(0, BLOCK_M)[:, None] - tl.arange(0, BLOCK_N)[None, :]
     q_key_idx = rows + Tk - Tq
     lse2 = lse * _LOG2E  # a dead row's DEAD_ROW_LSE becomes +inf: p = 0 (and its threshold is -1e30)
-    if DQ:
-        delta = tl.load(DELTA + pid_bh.to(tl.int64) * Tq + rows, mask=row_mask, other=0.0)
-    else:
-        delta = tl.zeros([BLOCK_M], tl.float32)
-    m_dp_sum = tl.zeros([BLOCK_M], tl.float32)
+    delta = tl.load(DELTA + pid_bh.to(tl.int64) * Tq + rows, mask=row_mask, other=0.0)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     dbias_row = DBIAS_PART + (pid_bh.to(tl.int64) * tl.num_programs(0) + pid_m) * W
     args = (K_, V_, stride_kt, stride_vt, band, diagonal, q_key_idx, dbias_row, m0 + Tk - Tq)
-    delta, m_dp_sum, acc = _causal_bwd_query_tiles(q, do, lse2, threshold, delta, m_dp_sum, acc, *args,
-                                                   0, far, Tk, W, scale_log2, BLOCK_M, BLOCK_N, BLOCK_D, D,
-                                                   False, False, DQ, UPCAST, PRECISION)
-    delta, m_dp_sum, acc = _causal_bwd_query_tiles(q, do, lse2, threshold, delta, m_dp_sum, acc, *args,
-                                                   far, full, Tk, W, scale_log2, BLOCK_M, BLOCK_N, BLOCK_D, D,
-                                                   True, False, DQ, UPCAST, PRECISION)
-    delta, m_dp_sum, acc = _causal_bwd_query_tiles(q, do, lse2, threshold, delta, m_dp_sum, acc, *args,
-                                                   full, hi, Tk, W, scale_log2, BLOCK_M, BLOCK_N, BLOCK_D, D,
-                                                   True, True, DQ, UPCAST, PRECISION)
-    return pid_m, pid_bh, b, h, rows, offs_d, row_mask, inv_n, delta, m_dp_sum, acc
-
-
-@triton.jit
-def _lazy_causal_bwd_delta_kernel(Q, K, V, TAU, BAND, QPOS, QSEG, LSE, DO, DELTA, DTAU_PART,
-                                  stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt,
-                                  stride_vb, stride_vh, stride_vt, stride_dob, stride_doh, stride_dot,
-                                  Hq, Tq, Tk, W, GROUPS, BAND_LEN, scale_log2,
-                                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                                  D: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
-    """Causal fast path of `_lazy_bwd_delta_kernel`: Delta_i and the tile's d tau partial. Grid (cdiv(Tq, BM), B*Hq)."""
-    pid_m, pid_bh, _, _, rows, _, row_mask, inv_n, delta, m_dp_sum, _ = _causal_bwd_query(
-        Q, K, V, TAU, BAND, QPOS, QSEG, LSE, DO, DELTA, DELTA, stride_qb, stride_qh, stride_qt, stride_kb, stride_kh,
-        stride_kt, stride_vb, stride_vh, stride_vt, stride_dob, stride_doh, stride_dot, Hq, Tq, Tk, W, GROUPS,
-        BAND_LEN, scale_log2, BLOCK_M, BLOCK_N, BLOCK_D, D, False, UPCAST, PRECISION)
-    tl.store(DELTA + pid_bh.to(tl.int64) * Tq + rows, delta, mask=row_mask)
-    tl.store(DTAU_PART + pid_bh.to(tl.int64) * tl.num_programs(0) + pid_m,
-             tl.sum(tl.where(row_mask, m_dp_sum * inv_n, 0.0), 0))
-
-
-@triton.jit
-def _lazy_causal_bwd_dq_kernel(Q, K, V, TAU, BAND, QPOS, QSEG, LSE, DO, DELTA, DQ, DBIAS_PART,
-                               stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt,
-                               stride_vb, stride_vh, stride_vt, stride_dob, stride_doh, stride_dot,
-                               Hq, Tq, Tk, W, GROUPS, BAND_LEN, scale_log2, scaling,
-                               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                               D: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
-    """Causal fast path of `_lazy_bwd_dq_kernel`: dq_i = scaling sum_j dS_ij k_j, and the query tile's
-    d distance_bias partial, a private float32 row of DBIAS_PART [B * Hq * cdiv(Tq, BM), W] (which
-    no other program adds to). Grid (cdiv(Tq, BM), B * Hq)."""
-    tl.static_assert(BLOCK_N <= BLOCK_M)  # `_diagonal_sums` wraps each column at most once
-    _, _, b, h, rows, offs_d, row_mask, _, _, _, acc = _causal_bwd_query(
-        Q, K, V, TAU, BAND, QPOS, QSEG, LSE, DO, DELTA, DBIAS_PART, stride_qb, stride_qh, stride_qt, stride_kb,
-        stride_kh, stride_kt, stride_vb, stride_vh, stride_vt, stride_dob, stride_doh, stride_dot, Hq, Tq, Tk, W,
-        GROUPS, BAND_LEN, scale_log2, BLOCK_M, BLOCK_N, BLOCK_D, D, True, UPCAST, PRECISION)
+    acc = _causal_bwd_query_tiles(q, do, lse2, threshold, delta, acc, *args, 0, far, Tk, W, scale_log2,
+                                  BLOCK_M, BLOCK_N, BLOCK_D, D, False, False, UPCAST, PRECISION)
+    acc = _causal_bwd_query_tiles(q, do, lse2, threshold, delta, acc, *args, far, full, Tk, W, scale_log2,
+                                  BLOCK_M, BLOCK_N, BLOCK_D, D, True, False, UPCAST, PRECISION)
+    acc = _causal_bwd_query_tiles(q, do, lse2, threshold, delta, acc, *args, full, hi, Tk, W, scale_log2,
+                                  BLOCK_M, BLOCK_N, BLOCK_D, D, True, True, UPCAST, PRECISION)
     tl.store(DQ + b * stride_qb + h * stride_qh + rows[:, None] * stride_qt + offs_d[None, :],
              (acc * scaling).to(DQ.dtype.element_ty), mask=row_mask[:, None] & (offs_d[None, :] < D))
 
@@ -1152,8 +1153,10 @@ def _strides(name: str, x: torch.Tensor, b: int = 0, h: int = 1, t: int = 2) -> 
 
 
 def _forward(query, key, value, tau, distance_bias, q_pos, k_pos, q_seg, k_seg, scaling,
-             skip=True, num_splits=None, with_stats=False, causal=False):
-    """Launch the forward. Returns `(out [B, Tq, Hq, D], lse [B, Hq, Tq] float32, stats int32 or None)`.
+             skip=True, num_splits=None, with_stats=False, causal=False, store_u=False):
+    """Launch the forward. Returns `(out [B, Tq, Hq, D], lse [B, Hq, Tq] float32, stats int32 or None)`, and with
+    `store_u` a fourth element: the causal fast path's U (`_lazy_causal_fwd_kernel`, what its backward needs), None
+    on the other paths.
 
     `causal` (the metadata's plain causal layout) runs the causal fast path for query lengths > 16: dense (no
     tile skipping, `skip` is ignored), reads no per-key metadata; for query lengths <= 16 (without `with_stats`)
@@ -1167,7 +1170,11 @@ def _forward(query, key, value, tau, distance_bias, q_pos, k_pos, q_seg, k_seg, 
     query, key, value = (_last_dim_contiguous(x) for x in (query, key, value))
     decode = q_len <= DECODE_MAX_QUERIES
     if causal and not decode and not with_stats:
-        return _causal_forward(query, key, value, tau, distance_bias, q_pos, scaling, block_d) + (None,)
+        out, lse, u = _causal_forward(query, key, value, tau, distance_bias, q_pos, scaling, block_d, store_u)
+        return (out, lse, None, u) if store_u else (out, lse, None)
+    if store_u:
+        return _forward(query, key, value, tau, distance_bias, q_pos, k_pos, q_seg, k_seg, scaling, skip,
+                        num_splits, with_stats, causal) + (None,)
     if causal and decode and not with_stats:  # plain layout: every row's key length is Tk
         key_lengths = torch.full((bsz,), k_len, dtype=torch.int32, device=query.device)
         return _packed_decode(query, key, value, tau, distance_bias, q_pos, key_lengths, scaling, num_splits) + (None,)
@@ -1214,23 +1221,26 @@ def _forward(query, key, value, tau, distance_bias, q_pos, k_pos, q_seg, k_seg, 
     return out, lse, stats.sum(0) if with_stats else None
 
 
-def _causal_forward(query, key, value, tau, distance_bias, q_pos, scaling, block_d):
-    """The causal fast-path forward: `(out [B, Tq, Hq, D], lse [B, Hq, Tq] float32)`."""
+def _causal_forward(query, key, value, tau, distance_bias, q_pos, scaling, block_d, store_u=False):
+    """The causal fast-path forward: `(out [B, Tq, Hq, D], lse [B, Hq, Tq] float32, u)`; `store_u` (training): u is
+    `U_i = sum_j m_ij v_j`, `[B, Tq, Hq, D]` float32, for `_causal_backward`; otherwise None."""
     bsz, num_heads, q_len, dim = query.shape
     kv_heads, k_len = key.shape[1], key.shape[2]
-    block_m, block_n, num_warps, num_stages = _config("causal_fwd", block_d, _gpu_family(query.device))
+    kind = "causal_fwd_u" if store_u else "causal_fwd"
+    block_m, block_n, num_warps, num_stages = _config(kind, block_d, _gpu_family(query.device))
     band = _bias_band(distance_bias, scaling, block_m, block_n)
     out = torch.empty(bsz, q_len, num_heads, dim, dtype=query.dtype, device=query.device)
     lse = torch.empty(bsz, num_heads, q_len, dtype=torch.float32, device=query.device)
+    u = torch.empty(bsz, q_len, num_heads, dim, dtype=torch.float32, device=query.device) if store_u else None
     _lazy_causal_fwd_kernel[(triton.cdiv(q_len, block_m), bsz * num_heads)](
         Q=query, K=key, V=value, TAU=tau.detach().to(torch.float32).contiguous(), BAND=band, QPOS=q_pos,
-        OUT=out, LSE=lse,
+        OUT=out, LSE=lse, U=u if store_u else lse, STORE_U=store_u,
         **_strides("q", query), **_strides("k", key), **_strides("v", value), **_strides("o", out, h=2, t=1),
         Hq=num_heads, Tq=q_len, Tk=k_len, W=distance_bias.shape[-1], GROUPS=num_heads // kv_heads,
         BAND_LEN=band.shape[-1], scale_log2=scaling * LOG2E,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, D=dim, UPCAST=_INTERPRET,
         PRECISION=_DOT_PRECISION[query.dtype], num_warps=num_warps, num_stages=num_stages)
-    return out, lse
+    return out, lse, u
 
 
 
@@ -1327,19 +1337,22 @@ def _paged_prefill(query, key, value, block_table, query_start_loc, seq_lens, ta
     return out
 
 def _backward(grad_out, query, key, value, tau, distance_bias, q_pos, k_pos, q_seg, k_seg, lse, scaling,
-              skip=True, causal=False):
+              skip=True, causal=False, out=None, u=None):
     """Launch Delta (with d tau partials), dq, then dk/dv (with d distance_bias partials); no atomics across programs.
 
     `causal` (the metadata's plain causal layout) runs the causal fast path for query lengths > 16, as the forward
-    does (`skip` is ignored there). Returns `(dq, dk, dv, d_tau [Hq] float32, d_bias [Hq, W] float32)`."""
+    does (`skip` is ignored there); it needs the forward's `out` and `u` (`_forward(..., store_u=True)`).
+    Returns `(dq, dk, dv, d_tau [Hq] float32, d_bias [Hq, W] float32)`."""
     block_d = _check_inputs(query, key)
     bsz, num_heads, q_len, dim = query.shape
     kv_heads, k_len, window = key.shape[1], key.shape[2], distance_bias.shape[-1]
     (query, dq), (key, dk), (value, dv) = (_with_gradient_buffer(x) for x in (query, key, value))
     grad_out = _last_dim_contiguous(grad_out)
     if causal and q_len > DECODE_MAX_QUERIES:
+        if out is None or u is None:
+            raise ValueError("the causal fast-path backward needs the forward's out and U (store_u=True)")
         return _causal_backward(grad_out, query, key, value, dq, dk, dv, tau, distance_bias, q_pos, q_seg, lse,
-                                scaling, block_d)
+                                scaling, block_d, out, u)
     groups = num_heads // kv_heads
     tau32 = tau.detach().to(torch.float32).contiguous()
     bias32 = distance_bias.detach().to(torch.float32).contiguous()
@@ -1372,8 +1385,9 @@ def _backward(grad_out, query, key, value, tau, distance_bias, q_pos, k_pos, q_s
 
 
 def _causal_backward(grad_out, query, key, value, dq, dk, dv, tau, distance_bias, q_pos, q_seg, lse, scaling,
-                     block_d):
-    """The causal fast-path backward (after `_causal_forward`): Delta, dq, dk/dv; `_backward`'s results."""
+                     block_d, out, u):
+    """The causal fast-path backward (after `_causal_forward` with `store_u`: its `out` and `u`): Delta from U, dq,
+    dk/dv; `_backward`'s results."""
     bsz, num_heads, q_len, dim = query.shape
     kv_heads, k_len, window = key.shape[1], key.shape[2], distance_bias.shape[-1]
     family = _gpu_family(query.device)
@@ -1393,9 +1407,12 @@ def _causal_backward(grad_out, query, key, value, dq, dk, dv, tau, distance_bias
 
     query_tiles = lambda block_m, block_n: (triton.cdiv(q_len, block_m), bsz * num_heads)  # noqa: E731
     delta = torch.empty(bsz, num_heads, q_len, dtype=torch.float32, device=query.device)
-    dtau_part = torch.empty(bsz, num_heads, triton.cdiv(q_len, _config("causal_delta", block_d, family)[0]),
-                            dtype=torch.float32, device=query.device)
-    launch(_lazy_causal_bwd_delta_kernel, "causal_delta", query_tiles, QSEG=q_seg, DELTA=delta, DTAU_PART=dtau_part)
+    delta_m, _, delta_warps, delta_stages = _config("causal_delta", block_d, family)
+    dtau_part = torch.empty(bsz, num_heads, triton.cdiv(q_len, delta_m), dtype=torch.float32, device=query.device)
+    _lazy_causal_bwd_delta_kernel[query_tiles(delta_m, None)](
+        OUT=out, U=u, DO=grad_out, TAU=tau32, QPOS=q_pos, DELTA=delta, DTAU_PART=dtau_part,
+        **_strides("o", out, h=2, t=1), **_strides("do", grad_out, h=2, t=1), Hq=num_heads, Tq=q_len,
+        BLOCK_M=delta_m, BLOCK_D=block_d, D=dim, num_warps=delta_warps, num_stages=delta_stages)
     dbias_part = torch.zeros(bsz, num_heads, triton.cdiv(q_len, _config("causal_dq", block_d, family)[0]), window,
                              dtype=torch.float32, device=query.device)
     launch(_lazy_causal_bwd_dq_kernel, "causal_dq", query_tiles, QSEG=q_seg, DELTA=delta, DQ=dq, DBIAS_PART=dbias_part,
@@ -1431,24 +1448,28 @@ class LazyAttentionTritonFunction(torch.autograd.Function):
     """Fused Lazy Attention; saves q, k, v and the row log-sum-exp (float32) for backward."""
 
     @staticmethod
-    def forward(ctx, query, key, value, tau, distance_bias, metadata: "LazyMetadata", scaling):
+    def forward(ctx, query, key, value, tau, distance_bias, metadata: "LazyMetadata", scaling, training=True):
+        """`training`: a backward may follow (the caller's grad mode; `needs_input_grad` alone is True under no_grad
+        too, for tau and distance_bias): the causal fast path then also stores U for its backward."""
         key_used, value_used, positions = _kernel_inputs(key, value, metadata)
-        out, lse, _ = _forward(query, key_used, value_used, tau, distance_bias, *positions, scaling,
-                               causal=metadata.causal)
-        ctx.save_for_backward(query, key, value, tau, distance_bias, lse)
+        training = training and any(ctx.needs_input_grad[:5])
+        result = _forward(query, key_used, value_used, tau, distance_bias, *positions, scaling,
+                          causal=metadata.causal, store_u=training)
+        out, lse, u = result[0], result[1], result[3] if training else None
+        ctx.save_for_backward(query, key, value, tau, distance_bias, lse, out if u is not None else None, u)
         ctx.lazy_metadata, ctx.scaling = metadata, scaling
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        query, key, value, tau, distance_bias, lse = ctx.saved_tensors
+        query, key, value, tau, distance_bias, lse, out, u = ctx.saved_tensors
         key_used, value_used, positions = _kernel_inputs(key, value, ctx.lazy_metadata)
         dq, dk, dv, d_tau, d_bias = _backward(grad_out, query, key_used, value_used, tau, distance_bias, *positions,
-                                              lse, ctx.scaling, causal=ctx.lazy_metadata.causal)
+                                              lse, ctx.scaling, causal=ctx.lazy_metadata.causal, out=out, u=u)
         if key_used.shape[2] != key.shape[2]:  # gradients of the unused (unwritten) cache slots are 0
             dk = torch.cat([dk, dk.new_zeros(*dk.shape[:2], key.shape[2] - dk.shape[2], dk.shape[3])], dim=2)
             dv = torch.cat([dv, dv.new_zeros(*dv.shape[:2], value.shape[2] - dv.shape[2], dv.shape[3])], dim=2)
-        return dq, dk, dv, d_tau.to(tau.dtype), d_bias.to(distance_bias.dtype), None, None
+        return dq, dk, dv, d_tau.to(tau.dtype), d_bias.to(distance_bias.dtype), None, None, None
 
 
 def lazy_attention_triton(query, key, value, tau, distance_bias, metadata: "LazyMetadata", scaling):
@@ -1462,7 +1483,8 @@ def lazy_attention_triton(query, key, value, tau, distance_bias, metadata: "Lazy
     Returns:
         `out [B, Tq, Hq, D]` in the query dtype; differentiable in query, key, value, tau, distance_bias.
     """
-    return LazyAttentionTritonFunction.apply(query, key, value, tau, distance_bias, metadata, float(scaling))
+    return LazyAttentionTritonFunction.apply(query, key, value, tau, distance_bias, metadata, float(scaling),
+                                             torch.is_grad_enabled())
 
 
 

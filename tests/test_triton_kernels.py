@@ -44,6 +44,12 @@ TOLERANCE = {torch.float32: 2e-4, torch.float16: 1e-2, torch.bfloat16: 4e-2}
 
 def reference(query, key, value, tau, distance_bias, q_pos, k_pos, q_seg, k_seg, scaling):
     """float64 Lazy Attention; returns `[B, Tq, Hq, D]`. Differentiable in the five float inputs."""
+    weights, v = reference_weights(query, key, value, tau, distance_bias, q_pos, k_pos, q_seg, k_seg, scaling)
+    return (weights @ v).transpose(1, 2)
+
+
+def reference_weights(query, key, value, tau, distance_bias, q_pos, k_pos, q_seg, k_seg, scaling):
+    """float64 weights a_ij `[B, Hq, Tq, Tk]` and the values repeated over the query heads `[B, Hq, Tk, D]`."""
     bsz, num_heads, q_len, _ = query.shape
     groups = num_heads // key.shape[1]
     k_len = key.shape[2]
@@ -63,7 +69,7 @@ def reference(query, key, value, tau, distance_bias, q_pos, k_pos, q_seg, k_seg,
     probs = torch.exp(scores - torch.where(torch.isinf(lse), torch.zeros_like(lse), lse))
     n = (q_pos + 1).double()[:, None, :, None]
     weights = torch.where(visible, torch.relu(probs + tau.double()[None, :, None, None] / n), 0.0)
-    return (weights @ v).transpose(1, 2)
+    return weights, v
 
 
 def metadata(bsz, q_len, k_len, pad=None, docs=None):
@@ -297,6 +303,40 @@ def causal_fast_path(kernels):
     finally:
         kernels._causal_forward, kernels._causal_backward, kernels._gpu_family = forward, backward, family
     assert calls == ["forward", "backward"] * len(CAUSAL_CASES), calls
+    return errors
+
+
+def causal_forward_stores_u(kernels):
+    """With `store_u` (what training runs) the causal fast-path forward also returns U_i = sum_j m_ij v_j (m_ij = 1
+    where the weight is > 0), from which its backward takes Delta and d tau, against float64: both block tables, three
+    key ranges, a key offset, D 64 and 128, tau of both signs; the output is the inference forward's. Through
+    `lazy_attention_triton` U is stored only with grad mode on (under no_grad tau and distance_bias still require
+    grad, but no backward can follow)."""
+    errors, stored = {}, []
+    cases = {"sm90-three-ranges": (150, 150, 64, 16, "sm90"), "sm80-after-cache-d128": (40, 100, 128, 24, "sm80")}
+    family, forward = kernels._gpu_family, kernels._causal_forward
+    try:
+        for name, (q_len, k_len, dim, window, blocks) in cases.items():
+            kernels._gpu_family = lambda device, blocks=blocks: blocks
+            query, key, value, tau, bias, _ = make_inputs(1, 2, 1, q_len, k_len, dim, window, torch.float32,
+                                                          [0.4, -0.5])
+            meta, scaling = metadata(1, q_len, k_len), dim ** -0.5
+            out, _, stats, u = kernels._forward(query, key, value, tau, bias, *int32(meta), scaling, causal=True,
+                                                store_u=True)
+            plain = kernels._forward(query, key, value, tau, bias, *int32(meta), scaling, causal=True)
+            assert stats is None and len(plain) == 3 and u.dtype == torch.float32, (stats, len(plain), u.dtype)
+            torch.testing.assert_close(out, plain[0], rtol=1e-5, atol=1e-6)
+            weights, v = reference_weights(query, key, value, tau, bias, *meta, scaling)
+            errors[name] = relative_error(u, ((weights > 0).double() @ v).transpose(1, 2))
+        kernels._causal_forward = lambda *args: stored.append(args[-1]) or forward(*args)
+        params = (tau.requires_grad_(), bias.requires_grad_())
+        with torch.no_grad():
+            kernels.lazy_attention_triton(query, key, value, *params, as_metadata(*meta, causal=True), scaling)
+        kernels.lazy_attention_triton(query, key, value, *params, as_metadata(*meta, causal=True), scaling)
+    finally:
+        kernels._gpu_family, kernels._causal_forward = family, forward
+    assert stored == [False, True], stored
+    assert max(errors.values()) < TOLERANCE[torch.float32], errors
     return errors
 
 
@@ -605,6 +645,7 @@ CASES = {
     "tile-density-counts": tile_density_counts,
     "dead-rows-and-longer-key-buffer": dead_rows_and_longer_key_buffer,
     "causal-fast-path": causal_fast_path,
+    "causal-forward-stores-u": causal_forward_stores_u,
     "packed-decode-reference": packed_decode_matches_reference,
     "packed-decode-skips-dead-value-tiles": packed_decode_skips_dead_value_tiles,
     "packed-decode-dispatch": packed_decode_dispatch,
