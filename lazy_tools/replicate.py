@@ -98,8 +98,8 @@ GRIDS = {
         ("lr4e-3-lazy", ["--variants", "lazy", "--lr", "4e-3"]),
         ("size256-vanilla", ["--variants", "vanilla", *SIZE_256]),
         ("size256-lazy", ["--variants", "lazy", *SIZE_256]),
-        ("long-vanilla", ["--variants", "vanilla", "--steps-factor", "14"]),  # 2,100 steps at --steps 150
-        ("long-lazy", ["--variants", "lazy", "--steps-factor", "14"]),
+        ("long-vanilla", ["--variants", "vanilla", "--steps-factor", "7"]),  # 1,050 steps at --steps 150
+        ("long-lazy", ["--variants", "lazy", "--steps-factor", "7"]),
     ],
     # more seeds of the size sweep (where does the sign flip?); the middle size is the controls grid's vanilla/lazy
     "extrapolation": [
