@@ -20,3 +20,33 @@ def test_cpu_benchmarks_smoke():
     assert len(ratios) >= 4 + 8 and all(math.isfinite(r) and r > 0 for r in ratios)
     for measure in ("prefill", "generate", "train step"):
         assert measure in text
+
+
+def test_in_place_benchmark_cache_equals_the_dynamic_cache(rng_seed):
+    """The decode benchmark's in-place cache (spare capacity instead of a concatenation per token) must give both
+    models the same logits as `DynamicCache`, through crops and capacity doublings."""
+    import torch
+    import transformers
+
+    from benchmarks.cpu_benchmarks import _cache
+    from tests.conftest import tiny_model
+
+    lazy = tiny_model(seed=rng_seed, attn_implementation="lazy")
+    llama = transformers.LlamaForCausalLM._from_config(
+        transformers.LlamaConfig(**{k: v for k, v in lazy.config.to_dict().items() if not k.startswith("lazy_")}),
+        attn_implementation="sdpa").eval()
+    ids = torch.randint(3, 97, (1, 40))
+    for model in (lazy, llama):
+        caches = {kind: _cache(kind) for kind in ("dynamic", "in-place")}
+        with torch.no_grad():
+            for step in range(70):  # 40 + 70 keys: the in-place buffers double from 80 to 160+
+                tokens = ids if step == 0 else ids[:, step % 40 : step % 40 + 1]
+                logits = {}
+                for kind, cache in caches.items():
+                    out = model(tokens, cache=cache, use_cache=True)
+                    logits[kind] = out.logits
+                    if step % 7 == 3:
+                        cache.crop(-2)  # drop two keys: the next write reuses their slots
+                torch.testing.assert_close(logits["in-place"], logits["dynamic"], atol=1e-5, rtol=1e-5,
+                                           msg=f"{type(model).__name__} step {step}, seed {rng_seed}")
+        assert type(caches["in-place"].layers[0]).__name__ == "InPlaceLayer"
