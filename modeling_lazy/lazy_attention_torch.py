@@ -522,9 +522,14 @@ def _sparse_value_rows(weights: torch.Tensor, value: torch.Tensor, k_len: int, d
     index = need.topk(most, dim=-1, sorted=False).indices  # [B * Hkv, m]
     w_needed = torch.gather(w, 2, index.unsqueeze(1).expand(groups, rows, most))
     dim = value.shape[-1]
-    if value.is_contiguous():  # one row copy per needed key
-        flat = index + torch.arange(0, groups * value.shape[2], value.shape[2], device=w.device).unsqueeze(1)
-        v_needed = value.view(-1, dim).index_select(0, flat.view(-1)).view(groups, most, dim)
+    s_b, s_h, s_t, s_d = value.stride()
+    if s_d == 1 and s_t == dim and s_h % dim == 0 and s_b % dim == 0:  # rows of D evenly spaced: one copy per key
+        # (a contiguous cache, or the first keys of a larger buffer): index the rows of a flat [rows, D] view
+        starts = (torch.arange(bsz, device=w.device) * (s_b // dim))[:, None] + torch.arange(
+            kv_heads, device=w.device) * (s_h // dim)
+        flat = index + starts.view(groups, 1)
+        rows_view = value.as_strided((int(starts.max()) + value.shape[2], dim), (dim, 1))
+        v_needed = rows_view.index_select(0, flat.view(-1)).view(groups, most, dim)
     else:
         v_needed = torch.gather(value, 2, index.view(bsz, kv_heads, most, 1).expand(bsz, kv_heads, most, dim))
         v_needed = v_needed.view(groups, most, dim)
