@@ -124,6 +124,7 @@ def main() -> None:
     from serving.smollm2 import converted_smollm2
 
     lazy, llama = str(converted_smollm2()), str(smollm2_llama_dir())
+    commit = code_commit()  # before the runs: a commit made while they run is not the code measured
     started = time.time()
     runs = {"vllm_lazy": child("vllm", lazy, args), "vllm_llama": child("vllm", llama, args),
             "generate_lazy": child("generate", lazy, args)}
@@ -134,7 +135,7 @@ def main() -> None:
               for case in tokens}
     report = {
         "command": "python -m benchmarks.serving_benchmark " + " ".join(sys.argv[1:]),
-        "commit": code_commit(),
+        "commit": commit,
         "settings": {"batch": args.batch, "prompt": args.prompt, "new_tokens": args.new_tokens,
                      "repeats": args.repeats, "dtype": "float32", "enforce_eager": True, "greedy": True},
         "versions": {"vllm": vllm.__version__, "torch": torch.__version__, "transformers": transformers.__version__,
