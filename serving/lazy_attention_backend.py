@@ -157,7 +157,7 @@ class LazyAttentionMetadataBuilder(AttentionMetadataBuilder[LazyServingMetadata]
         token = torch.minimum(torch.arange(key_length), lengths[:, None] - 1)  # [B, Tk]
         token_page = torch.gather(table, 1, token // self.block_size)[:, None, :] * self.num_kv_heads
         key_rows = (token_page + heads[None, :, None]) * (2 * self.block_size) + (token % self.block_size)[:, None]
-        kv_rows = torch.cat([key_rows.view(-1), key_rows.view(-1) + self.block_size])  # values: `block` rows on
+        kv_rows = torch.cat([key_rows.view(-1), key_rows.view(-1) + self.block_size])  # a value: block_size rows on
         q_pos = (lengths - query_length)[:, None] + torch.arange(query_length)  # cached tokens c, then c + i
         causal = bool((lengths == key_length).all())
         metadata = _lazy_metadata(q_pos, lengths, key_length, causal)
