@@ -76,6 +76,15 @@ def run_generate(folder: str, args) -> dict:
             "torch_threads": torch.get_num_threads()}
 
 
+def code_commit() -> str:
+    """The measured code's commit, `+dirty` when tracked files differ from it (`unknown` outside git)."""
+    def git(*command: str) -> str:
+        return subprocess.run(["git", *command], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+
+    commit = git("rev-parse", "--short", "HEAD") or "unknown"
+    return commit + ("+dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
+
+
 def child(kind: str, folder: str, args) -> dict:
     """Run one measurement in a fresh process (one engine per process); returns its JSON line."""
     command = [sys.executable, "-m", "benchmarks.serving_benchmark", "--child", kind, "--folder", folder,
@@ -101,7 +110,9 @@ def main() -> None:
     args = parser.parse_args()
 
     if args.child:
+        load_before = os.getloadavg()
         result = run_vllm(args.folder, args) if args.child == "vllm" else run_generate(args.folder, args)
+        result["load_average_before_after"] = [load_before, os.getloadavg()]  # the machine is shared: read with it
         print("RESULT " + json.dumps(result), flush=True)
         return
 
@@ -113,6 +124,7 @@ def main() -> None:
     from serving.smollm2 import converted_smollm2
 
     lazy, llama = str(converted_smollm2()), str(smollm2_llama_dir())
+    commit = code_commit()  # before the runs: a commit made while they run is not the code measured
     started = time.time()
     runs = {"vllm_lazy": child("vllm", lazy, args), "vllm_llama": child("vllm", llama, args),
             "generate_lazy": child("generate", lazy, args)}
@@ -123,6 +135,7 @@ def main() -> None:
               for case in tokens}
     report = {
         "command": "python -m benchmarks.serving_benchmark " + " ".join(sys.argv[1:]),
+        "commit": commit,
         "settings": {"batch": args.batch, "prompt": args.prompt, "new_tokens": args.new_tokens,
                      "repeats": args.repeats, "dtype": "float32", "enforce_eager": True, "greedy": True},
         "versions": {"vllm": vllm.__version__, "torch": torch.__version__, "transformers": transformers.__version__,

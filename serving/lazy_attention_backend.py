@@ -10,11 +10,18 @@ per-head distance bias need the whole score row and each query's position, so th
 3. for each step, groups the scheduled requests (`LazyServingMetadata`, built once per step and shared by
    every layer, with every index tensor the layers need): prefills or prefill chunks of the same query and
    key length form one group, all single-token decodes form one padded group;
-4. per layer and group, copies the group's key pages and value pages out of the cache with one
-   `index_select` each, straight into contiguous `[B, Hkv, Tk, D]` keys and values, and calls the
-   project's exact CPU op `lazy_attention_torch` with a `LazyMetadata` built from vLLM's sequence
+4. per layer and group, copies the group's keys and values out of the cache with one `index_select` of
+   token rows (the step's row index, shared by every layer, stops at each group's longest request, not at
+   the end of its last page), straight into contiguous `[2, B, Hkv, Tk, D]` keys and values, and calls
+   the project's exact CPU op `lazy_attention_torch` with a `LazyMetadata` built from vLLM's sequence
    lengths: query i of a request with `c` cached tokens has position `c + i` (`n_i = c + i + 1`), key j
    has position j.
+
+Small work (every decode group of a usual batch, the cache writes of decode steps) runs on the calling thread
+only (`_one_thread`): vLLM's CPU worker keeps an OpenMP team of one thread per bound core, and every ATen op
+past the parallel grain wakes that team. On a machine whose cores are busy each wake-up waits for a core
+(milliseconds, measured on the benchmark's 2-core machine) for microseconds of work, and a decode layer here
+runs a dozen such ops where vLLM's own CPU attention runs one kernel.
 
 On CUDA, steps 3 and 4 are replaced by one Triton call per layer, `lazy_attention_triton_paged`, which reads K and V
 through the block table (the varlen causal kernel for prompts and chunks, the packed decode for the decode
@@ -26,6 +33,7 @@ vLLM's prefix caching and chunked prefill work unchanged.
 """
 
 from collections import defaultdict
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -45,6 +53,25 @@ from modeling_lazy.lazy_attention_torch import lazy_attention_torch
 from modeling_lazy.modeling_lazy import _lazy_backend
 
 BACKEND_NAME = "LAZY_ATTN"
+# Groups whose scores have at most this many elements (batch * heads * queries * keys; a decode batch of 64 at
+# 4k keys is 2.4M) and cache writes of at most this many values run on one thread (`_one_thread`).
+_ONE_THREAD_MAX_ELEMENTS = 1 << 20
+
+
+@contextmanager
+def _one_thread(small: bool):
+    """Run the block's ATen ops on the calling thread alone when `small` (see the module docstring)."""
+    threads = torch.get_num_threads()
+    if not small or threads == 1:
+        yield
+        return
+    # vLLM's CPU worker replaces `torch.set_num_threads` by a no-op once it has bound its threads; the
+    # binding stays (the team's threads are kept, only the count used by the next parallel region changes)
+    torch._C.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch._C.set_num_threads(threads)
 
 
 def register_backend_name() -> None:
@@ -63,6 +90,7 @@ class LazyGroup:
     batch: int
     query_length: int
     pages: torch.Tensor  # [B * Hkv * blocks] int64: rows `block * Hkv + head` of the cache's page view
+    kv_rows: torch.Tensor  # [2 * B * Hkv * Tk] int64: K then V rows of the cache as `[pages * 2 * block, D]`
     metadata: LazyMetadata
 
 
@@ -121,17 +149,26 @@ class LazyAttentionMetadataBuilder(AttentionMetadataBuilder[LazyServingMetadata]
         # a shorter request's missing pages repeat its last page (any valid page: its keys are padding)
         last_page = (lengths + self.block_size - 1) // self.block_size - 1
         columns = torch.minimum(torch.arange(num_blocks), last_page[:, None])
-        blocks = torch.gather(block_table[requests, :num_blocks].long(), 1, columns)  # [B, blocks]
-        pages = blocks[:, None, :] * self.num_kv_heads + torch.arange(self.num_kv_heads)[None, :, None]
+        table = block_table[requests, :num_blocks].long()
+        blocks = torch.gather(table, 1, columns)  # [B, blocks]
+        heads = torch.arange(self.num_kv_heads)
+        pages = blocks[:, None, :] * self.num_kv_heads + heads[None, :, None]
+        # token rows: a shorter request's padding keys repeat its last key (finite; the metadata hides them)
+        token = torch.minimum(torch.arange(key_length), lengths[:, None] - 1)  # [B, Tk]
+        token_page = torch.gather(table, 1, token // self.block_size)[:, None, :] * self.num_kv_heads
+        key_rows = (token_page + heads[None, :, None]) * (2 * self.block_size) + (token % self.block_size)[:, None]
+        kv_rows = torch.cat([key_rows.view(-1), key_rows.view(-1) + self.block_size])  # a value: block_size rows on
         q_pos = (lengths - query_length)[:, None] + torch.arange(query_length)  # cached tokens c, then c + i
         causal = bool((lengths == key_length).all())
         metadata = _lazy_metadata(q_pos, lengths, key_length, causal)
-        if len(requests) == 1:
-            token_index = slice(starts[requests[0]], starts[requests[0]] + query_length)
+        first = [starts[r] for r in requests]
+        if first == list(range(first[0], first[0] + query_length * len(requests), query_length)):
+            # consecutive requests (all decodes, which vLLM puts first for this backend): a view, no gather
+            token_index = slice(first[0], first[0] + query_length * len(requests))
         else:
-            token_index = (torch.tensor([starts[r] for r in requests])[:, None] + torch.arange(query_length)).view(-1)
-            token_index = token_index.to(self.device)
-        return LazyGroup(token_index, len(requests), query_length, pages.view(-1).to(self.device), metadata)
+            token_index = (torch.tensor(first)[:, None] + torch.arange(query_length)).view(-1).to(self.device)
+        return LazyGroup(token_index, len(requests), query_length, pages.view(-1).to(self.device),
+                         kv_rows.to(self.device), metadata)
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> LazyServingMetadata:
@@ -153,8 +190,9 @@ class LazyAttentionMetadataBuilder(AttentionMetadataBuilder[LazyServingMetadata]
             query_length = starts[req + 1] - starts[req]
             if query_length > 0:
                 same_shape[(1, 0) if query_length == 1 else (query_length, seq_lens[req])].append(req)
-        groups = [self._group(requests, starts, seq_lens, block_table, query_length)
-                  for (query_length, _), requests in same_shape.items()]
+        with _one_thread(True):  # index tensors of a few thousand entries
+            groups = [self._group(requests, starts, seq_lens, block_table, query_length)
+                      for (query_length, _), requests in same_shape.items()]
         return LazyServingMetadata(num_actual_tokens=common.num_actual_tokens, groups=groups)
 
 
@@ -201,8 +239,9 @@ class LazyAttentionImpl(AttentionImpl[LazyServingMetadata]):
         page = (slots // block_size)[:, None] * kv_cache.shape[1] + heads  # [T, Hkv]
         offset = (slots % block_size)[:, None]
         keys, values = _split_pages(kv_cache, self.head_size)
-        keys.view(keys.shape[0], block_size, -1)[page, offset] = key.to(kv_cache.dtype)
-        values.view(values.shape[0], block_size, -1)[page, offset] = value.to(kv_cache.dtype)
+        with _one_thread(key.numel() + value.numel() <= _ONE_THREAD_MAX_ELEMENTS):
+            keys.view(keys.shape[0], block_size, -1)[page, offset] = key.to(kv_cache.dtype)
+            values.view(values.shape[0], block_size, -1)[page, offset] = value.to(kv_cache.dtype)
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,
                 output_block_scale=None) -> torch.Tensor:
@@ -223,19 +262,27 @@ class LazyAttentionImpl(AttentionImpl[LazyServingMetadata]):
             output[:count] = out.to(output.dtype)
             return output
         kv_heads = kv_cache.shape[1]
+        token_rows = kv_cache.shape[-1] == 2 * self.head_size  # K and V rows of one width: one gather of rows
+        rows = kv_cache.view(-1, self.head_size) if token_rows else None
         keys, values = _split_pages(kv_cache, self.head_size)
         for group in attn_metadata.groups:
-            # one row copy per (request, head, block) each: contiguous [B, Hkv, blocks * block_size, D]
-            k = keys.index_select(0, group.pages).view(group.batch, kv_heads, -1, self.head_size)
-            v = values.index_select(0, group.pages).view(group.batch, kv_heads, k.shape[2], -1)
-            q = query[group.token_index].view(group.batch, group.query_length, self.num_heads, self.head_size)
-            out = lazy_attention_torch(q.transpose(1, 2), k, v, self.tau, self.distance_bias, group.metadata,
-                                       self.scale)  # [B, Tq, Hq, Dv]
-            out = out.reshape(-1, self.num_heads, out.shape[-1]).to(output.dtype)
-            if isinstance(group.token_index, slice):
-                output[group.token_index] = out
-            else:
-                output.index_copy_(0, group.token_index, out)
+            key_length = group.metadata.key_length
+            small = group.batch * self.num_heads * group.query_length * key_length <= _ONE_THREAD_MAX_ELEMENTS
+            with _one_thread(small):
+                if token_rows:  # one copy of the rows the group reads: contiguous [2, B, Hkv, Tk, D]
+                    kv = rows.index_select(0, group.kv_rows).view(2, group.batch, kv_heads, key_length, -1)
+                    k, v = kv[0], kv[1]
+                else:  # one copy per (request, head, block) each: contiguous [B, Hkv, blocks * block_size, D]
+                    k = keys.index_select(0, group.pages).view(group.batch, kv_heads, -1, self.head_size)
+                    v = values.index_select(0, group.pages).view(group.batch, kv_heads, k.shape[2], -1)
+                q = query[group.token_index].view(group.batch, group.query_length, self.num_heads, self.head_size)
+                out = lazy_attention_torch(q.transpose(1, 2), k, v, self.tau, self.distance_bias, group.metadata,
+                                           self.scale)  # [B, Tq, Hq, Dv]
+                out = out.reshape(-1, self.num_heads, out.shape[-1]).to(output.dtype)
+                if isinstance(group.token_index, slice):
+                    output[group.token_index] = out
+                else:
+                    output.index_copy_(0, group.token_index, out)
         return output
 
 

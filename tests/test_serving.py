@@ -195,8 +195,7 @@ table = torch.zeros(len(q_lens), 8, dtype=torch.int32)
 for r, n in enumerate(seq_lens):
     for b in range(-(-n // page)):
         table[r, b] = order.pop()
-# 1e4 in every slot no request owns: a wrong read shows (NaN would also poison the PyTorch path's padded
-# decode group, whose zero weights multiply whatever the pages hold; vLLM's cache holds finite values)
+# 1e4 in every slot no request owns: a wrong read shows
 cache = torch.full((num_blocks, kv_heads, page, 2 * dim), 1e4)
 impl = LazyAttentionImpl(heads, dim, dim ** -0.5, kv_heads, tau=-1.0 + 0.2 * torch.randn(heads, generator=gen),
                          distance_bias=torch.randn(heads, 24, generator=gen))
@@ -241,3 +240,68 @@ def test_triton_paged_path_equals_the_pytorch_path(tmp_path, rng_seed):
                           text=True, timeout=600, stdin=subprocess.DEVNULL)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     assert "ERROR" in proc.stdout
+
+
+def test_pytorch_path_reads_only_owned_cache_rows_and_runs_small_groups_on_one_thread(monkeypatch, rng_seed):
+    """The backend's CPU path on one step (three decodes of different lengths, padded to the longest in one group,
+    then a chunk after 5 cached keys), NaN in every cache slot no request owns: each request's output equals
+    Lazy Attention over its own keys written out here, so padding keys are read from owned (finite) rows; the
+    group under the one-thread limit runs on one thread, the other on the caller's threads, restored after."""
+    import types
+
+    import serving.lazy_attention_backend as backend
+
+    gen = torch.Generator().manual_seed(rng_seed)
+    heads, kv_heads, dim, page, window = 4, 2, 16, 16, 8
+    q_lens, seq_lens = [1, 1, 1, 20], [40, 7, 23, 25]
+    order = (torch.randperm(16, generator=gen) + 1).tolist()
+    table = torch.zeros(len(q_lens), 4, dtype=torch.int32)
+    for r, n in enumerate(seq_lens):
+        for b in range(-(-n // page)):
+            table[r, b] = order.pop()
+    cache = torch.full((17, kv_heads, page, 2 * dim), float("nan"))
+    tau, bias = -1.0 + 0.2 * torch.randn(heads, generator=gen), torch.randn(heads, window, generator=gen)
+    impl = backend.LazyAttentionImpl(heads, dim, dim**-0.5, kv_heads, tau=tau, distance_bias=bias)
+    keys = [torch.randn(n, kv_heads, dim, generator=gen) for n in seq_lens]
+    values = [torch.randn(n, kv_heads, dim, generator=gen) for n in seq_lens]
+    for r, n in enumerate(seq_lens):
+        slots = table[r, torch.arange(n) // page].long() * page + torch.arange(n) % page
+        impl.do_kv_cache_update(None, keys[r], values[r], cache, slots)
+    starts = torch.tensor([0, *q_lens]).cumsum(0).to(torch.int32)
+    common = types.SimpleNamespace(num_reqs=len(q_lens), query_start_loc_cpu=starts, query_start_loc=starts,
+                                   seq_lens=torch.tensor(seq_lens, dtype=torch.int32), block_table_tensor=table,
+                                   num_actual_tokens=int(starts[-1]), max_seq_len=max(seq_lens))
+    builder = object.__new__(backend.LazyAttentionMetadataBuilder)
+    builder.block_size, builder.num_kv_heads, builder.device = page, kv_heads, torch.device("cpu")
+    monkeypatch.setenv("LAZY_ATTENTION_BACKEND", "torch")
+    metadata = builder.build(0, common)
+    query = torch.randn(int(starts[-1]), heads, dim, generator=gen)
+
+    threads_seen = []
+    op = backend.lazy_attention_torch
+    monkeypatch.setattr(backend, "lazy_attention_torch",
+                        lambda *args: threads_seen.append(torch.get_num_threads()) or op(*args))
+    monkeypatch.setattr(backend, "_ONE_THREAD_MAX_ELEMENTS", 1000)  # decodes 3 * 4 * 40 keys; the chunk 4 * 20 * 25
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        out = impl.forward(None, query, None, None, cache, metadata, torch.zeros_like(query))
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(threads)
+    assert threads_seen == [1, 2]
+
+    for r, (m, n) in enumerate(zip(q_lens, seq_lens)):
+        q = query[int(starts[r]): int(starts[r + 1])]  # [m, Hq, D]
+        k = keys[r].repeat_interleave(heads // kv_heads, 1)
+        v = values[r].repeat_interleave(heads // kv_heads, 1)
+        scores = torch.einsum("qhd,khd->hqk", q, k) * dim**-0.5
+        distance = (n - m + torch.arange(m))[:, None] - torch.arange(n)  # [m, n]
+        scores = scores + torch.where((distance >= 0) & (distance < window),
+                                      bias[:, distance.clamp(0, window - 1)], 0.0)
+        scores = scores.masked_fill(distance < 0, float("-inf"))
+        weights = torch.relu(scores.softmax(-1) + tau[:, None, None] / (n - m + torch.arange(m) + 1)[:, None])
+        weights = weights.masked_fill(distance < 0, 0.0)
+        expected = torch.einsum("hqk,khd->qhd", weights, v)
+        torch.testing.assert_close(out[int(starts[r]): int(starts[r + 1])], expected, rtol=1e-5, atol=1e-5,
+                                   msg=lambda text, r=r: f"request {r} (seed {rng_seed}): {text}")
