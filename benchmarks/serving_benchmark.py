@@ -105,6 +105,8 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "serving_cpu.json")
+    parser.add_argument("--no-generate", action="store_true",
+                        help="skip the (slow) transformers generate() run: only the two vLLM engines")
     parser.add_argument("--child", choices=["vllm", "generate"], help=argparse.SUPPRESS)
     parser.add_argument("--folder", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -126,13 +128,16 @@ def main() -> None:
     lazy, llama = str(converted_smollm2()), str(smollm2_llama_dir())
     commit = code_commit()  # before the runs: a commit made while they run is not the code measured
     started = time.time()
-    runs = {"vllm_lazy": child("vllm", lazy, args), "vllm_llama": child("vllm", llama, args),
-            "generate_lazy": child("generate", lazy, args)}
+    runs = {"vllm_lazy": child("vllm", lazy, args), "vllm_llama": child("vllm", llama, args)}
+    if not args.no_generate:
+        runs["generate_lazy"] = child("generate", lazy, args)
     tokens = {"batch": args.batch * args.new_tokens, "single": args.new_tokens}
     rates = {name: {case: tokens[case] / run[f"{case}_s"] for case in tokens} for name, run in runs.items()}
-    ratios = {case: {"lazy_vs_llama_vllm": rates["vllm_lazy"][case] / rates["vllm_llama"][case],
-                     "vllm_lazy_vs_generate_lazy": rates["vllm_lazy"][case] / rates["generate_lazy"][case]}
+    ratios = {case: {"lazy_vs_llama_vllm": rates["vllm_lazy"][case] / rates["vllm_llama"][case]}
               for case in tokens}
+    if not args.no_generate:
+        for case in tokens:
+            ratios[case]["vllm_lazy_vs_generate_lazy"] = rates["vllm_lazy"][case] / rates["generate_lazy"][case]
     report = {
         "command": "python -m benchmarks.serving_benchmark " + " ".join(sys.argv[1:]),
         "commit": commit,
@@ -148,9 +153,11 @@ def main() -> None:
     print("| case | vLLM LazyLlama tok/s | vLLM Llama tok/s | generate() LazyLlama tok/s | Lazy/Llama (vLLM) | "
           "vLLM/generate (Lazy) |\n| --- | --- | --- | --- | --- | --- |")
     for case in tokens:
+        generate = rates.get("generate_lazy", {}).get(case)
+        versus = ratios[case].get("vllm_lazy_vs_generate_lazy")
         print(f"| {case} | {rates['vllm_lazy'][case]:.1f} | {rates['vllm_llama'][case]:.1f} | "
-              f"{rates['generate_lazy'][case]:.1f} | {ratios[case]['lazy_vs_llama_vllm']:.2f}x | "
-              f"{ratios[case]['vllm_lazy_vs_generate_lazy']:.2f}x |")
+              f"{'-' if generate is None else f'{generate:.1f}'} | {ratios[case]['lazy_vs_llama_vllm']:.2f}x | "
+              f"{'-' if versus is None else f'{versus:.2f}x'} |")
     print(f"wrote {args.out}")
 
 
