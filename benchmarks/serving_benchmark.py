@@ -105,6 +105,9 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "serving_cpu.json")
+    parser.add_argument("--tau", type=float, default=0.0,
+                        help="tau of every head of the served LazyLlama (0: the exact conversion, which is softmax "
+                             "attention and takes SDPA in the CPU op; -1: Elastic-Softmax with exact zeros)")
     parser.add_argument("--no-generate", action="store_true",
                         help="skip the (slow) transformers generate() run: only the two vLLM engines")
     parser.add_argument("--child", choices=["vllm", "generate"], help=argparse.SUPPRESS)
@@ -125,7 +128,7 @@ def main() -> None:
     from lazy_tools.data import smollm2_llama_dir
     from serving.smollm2 import converted_smollm2
 
-    lazy, llama = str(converted_smollm2()), str(smollm2_llama_dir())
+    lazy, llama = str(converted_smollm2(args.tau)), str(smollm2_llama_dir())
     commit = code_commit()  # before the runs: a commit made while they run is not the code measured
     started = time.time()
     runs = {"vllm_lazy": child("vllm", lazy, args), "vllm_llama": child("vllm", llama, args)}
@@ -141,7 +144,7 @@ def main() -> None:
     report = {
         "command": "python -m benchmarks.serving_benchmark " + " ".join(sys.argv[1:]),
         "commit": commit,
-        "settings": {"batch": args.batch, "prompt": args.prompt, "new_tokens": args.new_tokens,
+        "settings": {"batch": args.batch, "prompt": args.prompt, "new_tokens": args.new_tokens, "tau": args.tau,
                      "repeats": args.repeats, "dtype": "float32", "enforce_eager": True, "greedy": True},
         "versions": {"vllm": vllm.__version__, "torch": torch.__version__, "transformers": transformers.__version__,
                      "python": platform.python_version()},

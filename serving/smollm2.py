@@ -12,15 +12,19 @@ from pathlib import Path
 FOLDER_NAME = "smollm2-135m-instruct-lazy"
 
 
-def converted_smollm2() -> Path:
-    """Folder of SmolLM2-135M-Instruct converted to LazyLlama (float32), converting it on first use."""
+def converted_smollm2(tau: float = 0.0) -> Path:
+    """Folder of SmolLM2-135M-Instruct converted to LazyLlama (float32), converting it on first use.
+
+    `tau` other than 0 gives a separate folder converted with that tau in every head (distance bias 0): the
+    served model then runs Elastic-Softmax with exact zeros, not plain softmax attention.
+    """
     from conversion.convert_llama_to_lazy import convert
     from demos.conversion_demo import BASE_MODEL, LICENSE
     from lazy_tools.data import cache_dir, smollm2_gguf_path
 
-    folder = cache_dir() / FOLDER_NAME
+    folder = cache_dir() / (FOLDER_NAME if tau == 0.0 else f"{FOLDER_NAME}-tau{tau:g}")
     if not (folder / "config.json").is_file():
-        convert(smollm2_gguf_path(), folder, overwrite=True, max_shard_size="200MB",
+        convert(smollm2_gguf_path(), folder, overwrite=True, max_shard_size="200MB", tau_init=tau,
                 base_model=BASE_MODEL, license=LICENSE,
                 log=lambda *args: print(*args, file=sys.stderr))  # stdout carries only the folder
     return folder
