@@ -117,12 +117,15 @@ def _first_finite_distance(distance_bias: torch.Tensor) -> torch.Tensor | None:
 
 
 class _CausalChunk:
-    """Scores and softmax of one query chunk in the causal layout (buffers 0: scores, 1: probs).
+    """Scores and softmax of one query chunk in the causal layout (buffers 0: scores, 1: probs; with `in_place`
+    the probs overwrite the scores in buffer 0: the forward needs no scores afterwards, and one buffer less keeps
+    the chunk in cache).
 
-    Forward and backward run the identical ops, so `probs` and the ReLU mask agree bitwise.
+    Forward and backward run the identical ops (a softmax gives the same bits in place or not), so `probs` and the
+    ReLU mask agree bitwise.
     """
 
-    def __init__(self, q, k, band, width, start, stop, offset, workspace, first_finite=None):
+    def __init__(self, q, k, band, width, start, stop, offset, workspace, first_finite=None, in_place=False):
         bsz, kv_heads, groups, _, dim = q.shape  # q is already scaled by `scaling`
         self.rows = rows = stop - start
         self.i0 = start + offset  # key index of the chunk's first row
@@ -136,7 +139,7 @@ class _CausalChunk:
         scores = scores.view(shape)  # [B, Hq, C, K]
         lo = max(0, self.k_lo)
         scores[..., lo:].add_(band[:, :rows, lo - self.k_lo : rows + width - 1])
-        self.probs = torch.softmax(scores, dim=-1, out=workspace.view(1, *shape))
+        self.probs = torch.softmax(scores, dim=-1, out=scores if in_place else workspace.view(1, *shape))
         self.dead = None
         if first_finite is not None:  # rows whose scores are all -inf: softmax gave NaN, the math gives 0
             row_key = torch.arange(self.i0, self.k_end, device=q.device)
@@ -167,10 +170,10 @@ def _causal_forward(q, k, v, tau, distance_bias, metadata: LazyMetadata, out):
     band, width = _band_table(distance_bias, step, k_len, q.dtype)
     mode = _tau_mode(tau)
     first_finite = _first_finite_distance(distance_bias)
-    workspace = _Workspace(2, bsz * kv_heads * groups * step * k_len, q.dtype, q.device)
+    workspace = _Workspace(1, bsz * kv_heads * groups * step * k_len, q.dtype, q.device)
     for start in range(0, q_len, step):
         stop = min(q_len, start + step)
-        c = _CausalChunk(q, k, band, width, start, stop, metadata.key_offset, workspace, first_finite)
+        c = _CausalChunk(q, k, band, width, start, stop, metadata.key_offset, workspace, first_finite, in_place=True)
         weights = c.probs
         if mode != "zero":
             c.relu_shift(_tau_shift(tau, metadata.q_pos, start, stop, q.dtype)[0], mode, out=weights)
