@@ -396,25 +396,18 @@ def _reversed_bias(distance_bias: torch.Tensor, k_len: int, dtype) -> torch.Tens
     """`[Hq, C]`, `C >= k_len`: column `C - 1 - d` holds the bias of distance d (0 for `d >= W`).
 
     The row whose distance-0 key is key `i` reads its keys `0 .. i` as `narrow(-1, C - 1 - i, i + 1)`: a view,
-    no flip or copy per call. C grows by doubling, so a generation rebuilds it O(log L) times.
+    no flip or copy per call. C is a power of two (at least 1024), so a generation builds O(log L) tables.
     """
+    capacity = max(1024, 1 << (k_len - 1).bit_length())
+
     def build():
         heads, window = distance_bias.shape
-        capacity = max(1024, k_len)
-        while capacity < k_len:
-            capacity *= 2
         table = torch.zeros(heads, capacity, dtype=dtype, device=distance_bias.device)
         span = min(window, capacity)
         table[:, capacity - span:] = distance_bias.detach()[:, :span].flip(-1)
         return table
 
-    table = _parameter_fact(distance_bias, ("reversed", dtype), build)
-    if table.shape[-1] < k_len:  # a longer cache than last time: twice the capacity
-        k_len = max(k_len, 2 * table.shape[-1])
-        table = build()
-        _PARAMETER_FACTS[id(distance_bias)][1][("reversed", dtype)] = (
-            (distance_bias.data_ptr(), distance_bias._version), table)
-    return table
+    return _parameter_fact(distance_bias, ("reversed", dtype, capacity), build)
 
 
 def _has_neginf(distance_bias: torch.Tensor) -> bool:
@@ -465,8 +458,8 @@ def _decode_scores(query, key, distance_bias, metadata: LazyMetadata, scaling, d
     bsz, num_heads, q_len, dim = query.shape
     kv_heads, k_len = key.shape[1], metadata.key_length
     rows = num_heads // kv_heads * q_len
-    k = (key if key.shape[2] == k_len else key.narrow(2, 0, k_len)).to(dtype).reshape(bsz * kv_heads, k_len, dim)
     q = torch.mul(query.to(dtype), scaling).reshape(bsz * kv_heads, rows, dim)
+    k = (key if key.shape[2] == k_len else key.narrow(2, 0, k_len)).to(dtype).reshape(bsz * kv_heads, k_len, dim)
     scores = torch.bmm(q, k.transpose(1, 2)).view(bsz, num_heads, q_len, k_len)
     if not metadata.causal:
         scores.add_(distance_bias_scores(distance_bias, metadata.q_pos, metadata.k_pos, dtype))
@@ -551,9 +544,7 @@ def _decode_forward(query, key, value, tau, distance_bias, metadata: LazyMetadat
     if k_len >= _SPARSE_V_MIN_KEYS and not torch.compiler.is_compiling():
         out = _sparse_value_rows(weights, value, k_len, dtype)
     if out is None:
-        v = (value if value.shape[2] == k_len else value.narrow(2, 0, k_len)).to(dtype)
-        out = torch.matmul(weights, v) if bsz > 1 or not v.is_contiguous() else torch.bmm(  # bmm: fewer ops
-            weights.view(kv_heads, -1, k_len), v.view(kv_heads, k_len, dim)).view(weights.shape[:-1] + (dim,))
+        out = torch.matmul(weights, (value if value.shape[2] == k_len else value.narrow(2, 0, k_len)).to(dtype))
     return out.view(bsz, num_heads, q_len, dim).transpose(1, 2).to(query.dtype)
 
 
