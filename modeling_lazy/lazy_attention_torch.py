@@ -13,6 +13,7 @@ import weakref
 import torch
 import torch.nn.functional as F
 
+from .lazy_attention_cpu import decode_kernel, lazy_decode_cpu
 from .lazy_attention_reference import LazyMetadata, compute_dtype, distance_bias_scores, lazy_visibility
 
 # ---------------------------------------------------------------------------------------------------
@@ -448,6 +449,20 @@ def _one_row_decode(query, key, value, tau, distance_bias, metadata: LazyMetadat
     return _as(out.view(1, 1, num_heads, dim), query.dtype)
 
 
+def _kernel_decode(kernel, query, key, value, tau, distance_bias, metadata: LazyMetadata, scaling) -> torch.Tensor:
+    """One row per sequence in the causal layout, float32: the fused C kernel (`lazy_attention_cpu`), which reads
+    each key once and only the value rows some head of a GQA group weights. `out [B, 1, Hq, Dv]`."""
+    bsz, num_heads, _, dim = query.shape
+    if query.stride(-1) != 1:
+        query = query.contiguous()
+    out = torch.empty(bsz, 1, num_heads, value.shape[-1], dtype=torch.float32, device=query.device)
+    q_pos = metadata.q_pos
+    return lazy_decode_cpu(kernel, query.select(2, 0), key, value, _as(tau, torch.float32).contiguous(),
+                           _as(distance_bias, torch.float32).contiguous(), scaling, out.select(1, 0),
+                           key.shape[1], seq_len=metadata.key_length,
+                           positions=q_pos if q_pos.is_contiguous() else q_pos.contiguous()).view(out.shape)
+
+
 def _decode_scores(query, key, distance_bias, metadata: LazyMetadata, scaling, dtype) -> torch.Tensor:
     """`[B, Hq, Tq, Tk]` biased scores, `-inf` where a key is not visible (no copy of float32 k).
 
@@ -570,6 +585,11 @@ def lazy_attention_torch(query, key, value, tau, distance_bias, metadata: LazyMe
         return F.scaled_dot_product_attention(
             query, key[:, :, :k_len], value[:, :, :k_len], is_causal=query.shape[2] > 1, scale=float(scaling),
             enable_gqa=key.shape[1] != query.shape[1]).transpose(1, 2)
+    if (query.shape[2] == 1 and metadata.causal and not metadata.static_buffer and not torch.compiler.is_compiling()
+            and query.dtype == key.dtype == value.dtype == torch.float32):
+        kernel = decode_kernel()
+        if kernel is not None and key.stride(-1) == 1 and value.stride(-1) == 1:
+            return _kernel_decode(kernel, query, key, value, tau, distance_bias, metadata, float(scaling))
     if (query.shape[0] == 1 and query.shape[2] == 1 and metadata.causal and not metadata.static_buffer
             and not torch.compiler.is_compiling()):
         return _one_row_decode(query, key, value, tau, distance_bias, metadata, float(scaling))

@@ -284,6 +284,7 @@ class LazyLlamaDecoderLayer(GradientCheckpointingLayer):
 # Files that make a checkpoint self-contained for `trust_remote_code=True` (all flat, sibling imports).
 MODELING_FILES = (
     "modeling_lazy.py", "lazy_attention_reference.py", "lazy_attention_torch.py", "lazy_attention_triton.py",
+    "lazy_attention_cpu.py",
 )
 AUTO_MAP = {
     "AutoConfig": "configuration_lazy.LazyLlamaConfig",

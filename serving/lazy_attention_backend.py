@@ -48,6 +48,7 @@ from vllm.v1.attention.backend import (
 )
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
+from modeling_lazy.lazy_attention_cpu import decode_kernel, lazy_decode_cpu
 from modeling_lazy.lazy_attention_reference import LazyMetadata
 from modeling_lazy.lazy_attention_torch import lazy_attention_torch
 from modeling_lazy.modeling_lazy import _lazy_backend
@@ -92,6 +93,8 @@ class LazyGroup:
     pages: torch.Tensor  # [B * Hkv * blocks] int64: rows `block * Hkv + head` of the cache's page view
     kv_rows: torch.Tensor  # [2 * B * Hkv * Tk] int64: K then V rows of the cache as `[pages * 2 * block, D]`
     metadata: LazyMetadata
+    block_table: torch.Tensor  # [B, blocks] int32: the requests' blocks (the C kernel reads the pages in place)
+    seq_lens: torch.Tensor  # [B] int32: keys per request
 
 
 @dataclass
@@ -168,7 +171,7 @@ class LazyAttentionMetadataBuilder(AttentionMetadataBuilder[LazyServingMetadata]
         else:
             token_index = (torch.tensor(first)[:, None] + torch.arange(query_length)).view(-1).to(self.device)
         return LazyGroup(token_index, len(requests), query_length, pages.view(-1).to(self.device),
-                         kv_rows.to(self.device), metadata)
+                         kv_rows.to(self.device), metadata, table.to(torch.int32), lengths.to(torch.int32))
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> LazyServingMetadata:
@@ -265,7 +268,11 @@ class LazyAttentionImpl(AttentionImpl[LazyServingMetadata]):
         token_rows = kv_cache.shape[-1] == 2 * self.head_size  # K and V rows of one width: one gather of rows
         rows = kv_cache.view(-1, self.head_size) if token_rows else None
         keys, values = _split_pages(kv_cache, self.head_size)
+        kernel = decode_kernel() if kv_cache.dtype == query.dtype == output.dtype == torch.float32 else None
         for group in attn_metadata.groups:
+            if kernel is not None and group.query_length == 1 and isinstance(group.token_index, slice):
+                self._kernel_decode(kernel, group, query, keys, values, kv_cache.shape, output)
+                continue
             key_length = group.metadata.key_length
             small = group.batch * self.num_heads * group.query_length * key_length <= _ONE_THREAD_MAX_ELEMENTS
             with _one_thread(small):
@@ -284,6 +291,18 @@ class LazyAttentionImpl(AttentionImpl[LazyServingMetadata]):
                 else:
                     output.index_copy_(0, group.token_index, out)
         return output
+
+    def _kernel_decode(self, kernel, group: LazyGroup, query, keys, values, cache_shape, output) -> None:
+        """A decode group through the fused C kernel, which reads K and V through the block table in place and
+        writes the output rows (no copy of the cache, one call per layer and step)."""
+        num_blocks, kv_heads, block_size, width = cache_shape
+        page, value_size = block_size * width, width - self.head_size
+        with _one_thread(group.batch * self.num_heads * group.metadata.key_length <= _ONE_THREAD_MAX_ELEMENTS):
+            lazy_decode_cpu(kernel, query[group.token_index], keys, values, self.tau, self.distance_bias, self.scale,
+                            output[group.token_index], kv_heads, seq_lens=group.seq_lens,
+                            block_table=group.block_table, block_size=block_size,
+                            key_strides=(kv_heads * page, page, self.head_size),
+                            value_strides=(kv_heads * page, page, value_size))
 
 
 def _split_pages(kv_cache: torch.Tensor, head_size: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -7,6 +7,7 @@ import torch
 
 from modeling_lazy import lazy_attention_reference as ref
 from modeling_lazy import lazy_attention_torch as ops
+from modeling_lazy.lazy_attention_cpu import decode_kernel
 
 CPU = torch.device("cpu")
 TAUS = {"zero": 0.0, "negative": -1.0, "mixed": [-1.5, 0.7, 0.0, -0.3, -2.0, 0.4]}
@@ -18,10 +19,22 @@ SHAPES = {  # (heads, kv_heads, q_len, past, window)
     "few-rows-cache-inside-window": (4, 1, 16, 10, 64),
     "few-rows-no-cache": (4, 2, 12, 0, 64),
 }
-V_READS = {  # forced crossovers so that both value reads run at these small sizes
+V_READS = {  # forced crossovers so that both value reads of the PyTorch path run at these small sizes; the fused C
+    # kernel (`lazy_attention_cpu`, one float32 row per sequence in the causal layout) always reads only needed rows
     "dense-v": {"_SPARSE_V_MIN_KEYS": 1 << 30},
     "sparse-v": {"_SPARSE_V_MIN_KEYS": 0, "_SPARSE_V_MAX_DENSITY": 1.0},
+    "c-kernel": {},
 }
+
+
+def _use(v_read, monkeypatch):
+    """Select the decode implementation: a PyTorch value read (kernel off) or the C kernel (which must build)."""
+    for name, value in V_READS[v_read].items():
+        monkeypatch.setattr(ops, name, value)
+    if v_read == "c-kernel":
+        assert decode_kernel() is not None, "the CPU decode kernel did not build: is a C compiler (cc) installed?"
+    else:
+        monkeypatch.setenv("LAZY_ATTENTION_CPU_KERNEL", "0")
 
 
 def _tau(kind, heads):
@@ -45,8 +58,7 @@ def _metadata(layout, bsz, past, q_len):
 @pytest.mark.parametrize("shape", list(SHAPES))
 @pytest.mark.parametrize("bsz", [1, 3])  # one sequence and one row: the one-row path of plain generation
 def test_decode_matches_reference(bsz, shape, layout, tau_kind, v_read, rng_seed, monkeypatch):
-    for name, value in V_READS[v_read].items():
-        monkeypatch.setattr(ops, name, value)
+    _use(v_read, monkeypatch)
     heads, kv_heads, q_len, past, window = SHAPES[shape]
     dim = 16
     meta = _metadata(layout, bsz, past, q_len)
@@ -67,8 +79,7 @@ def test_decode_matches_reference(bsz, shape, layout, tau_kind, v_read, rng_seed
 @pytest.mark.parametrize("v_read", list(V_READS))
 def test_decode_reads_only_the_attended_keys_of_a_static_buffer(v_read, rng_seed, monkeypatch):
     """A static cache hands over its whole (partly unwritten, possibly strided) buffer."""
-    for name, value in V_READS[v_read].items():
-        monkeypatch.setattr(ops, name, value)
+    _use(v_read, monkeypatch)
     bsz, heads, kv_heads, past, dim = 2, 4, 2, 40, 16
     meta = ref.lazy_attention_metadata(None, None, past, 1, bsz, CPU)
     q = torch.randn(bsz, heads, 1, dim) * 3
@@ -90,8 +101,7 @@ def test_decode_reads_only_the_attended_keys_of_a_static_buffer(v_read, rng_seed
 @pytest.mark.parametrize("v_read", list(V_READS))
 @pytest.mark.parametrize("tau_value", [-0.5, 0.0, 0.7])
 def test_decode_rows_without_a_normaliser_give_zero(tau_value, v_read, rng_seed, monkeypatch):
-    for name, value in V_READS[v_read].items():
-        monkeypatch.setattr(ops, name, value)
+    _use(v_read, monkeypatch)
     bsz, heads, past, q_len, dim = 2, 2, 1, 4, 8
     meta = ref.lazy_attention_metadata(None, None, past, q_len, bsz, CPU)
     q, k, v = torch.randn(bsz, heads, q_len, dim), *torch.randn(2, bsz, 1, past + q_len, dim)
@@ -127,6 +137,7 @@ def test_training_never_takes_the_decode_path(rng_seed, monkeypatch):
 
     monkeypatch.setattr(ops, "_decode_forward", refuse)
     monkeypatch.setattr(ops, "_one_row_decode", refuse)
+    monkeypatch.setattr(ops, "_kernel_decode", refuse)
     bsz, heads, past, dim = 1, 4, 30, 8
     meta = ref.lazy_attention_metadata(None, None, past, 1, bsz, CPU)
     q = torch.randn(bsz, heads, 1, dim, requires_grad=True)
@@ -144,8 +155,7 @@ def test_training_never_takes_the_decode_path(rng_seed, monkeypatch):
 @pytest.mark.parametrize("v_read", list(V_READS))
 def test_decode_with_every_weight_zero(v_read, rng_seed, monkeypatch):
     """tau far below 0 leaves no key weighted: the sparse read gathers no row and the output is 0."""
-    for name, value in V_READS[v_read].items():
-        monkeypatch.setattr(ops, name, value)
+    _use(v_read, monkeypatch)
     bsz, heads, past, dim = 2, 4, 50, 8
     meta = ref.lazy_attention_metadata(None, None, past, 1, bsz, CPU)
     q, k, v = torch.randn(bsz, heads, 1, dim), *torch.randn(2, bsz, 2, past + 1, dim)
@@ -171,18 +181,21 @@ def test_all_ones_mask_gives_the_no_mask_metadata(past, positions):
     assert shifted is None or shifted.causal == (past == 0)  # a cache at 0 .. past - 1 must be continued
 
 
-def test_generate_with_an_all_ones_mask_decodes_in_the_causal_layout(monkeypatch, rng_seed):
-    """What generate() passes without padding (a 2-D mask of ones, positions) must take the causal decode path."""
+@pytest.mark.parametrize("path", ["_kernel_decode", "_one_row_decode"])
+def test_generate_with_an_all_ones_mask_decodes_in_the_causal_layout(path, monkeypatch, rng_seed):
+    """What generate() passes without padding (a 2-D mask of ones, positions) must take the causal decode path:
+    the C kernel, or with it switched off the PyTorch one-row path."""
     from tests.conftest import tiny_model
 
+    _use("c-kernel" if path == "_kernel_decode" else "dense-v", monkeypatch)
     seen = []
-    one_row = ops._one_row_decode
+    taken = getattr(ops, path)
 
-    def spy(query, key, value, tau, distance_bias, metadata, scaling):
-        seen.append(metadata.causal)
-        return one_row(query, key, value, tau, distance_bias, metadata, scaling)
+    def spy(*args):
+        seen.append(next(a for a in args if isinstance(a, ref.LazyMetadata)).causal)
+        return taken(*args)
 
-    monkeypatch.setattr(ops, "_one_row_decode", spy)  # taken only in the causal layout
+    monkeypatch.setattr(ops, path, spy)  # taken only in the causal layout
     model = tiny_model(seed=rng_seed, attn_implementation="lazy")
     ids = torch.randint(3, 97, (1, 20))
     with torch.no_grad():

@@ -242,12 +242,16 @@ def test_triton_paged_path_equals_the_pytorch_path(tmp_path, rng_seed):
     assert "ERROR" in proc.stdout
 
 
-def test_pytorch_path_reads_only_owned_cache_rows_and_runs_small_groups_on_one_thread(monkeypatch, rng_seed):
-    """The backend's CPU path on one step (three decodes of different lengths, padded to the longest in one group,
-    then a chunk after 5 cached keys), NaN in every cache slot no request owns: each request's output equals
-    Lazy Attention over its own keys written out here, so padding keys are read from owned (finite) rows; the
-    group under the one-thread limit runs on one thread, the other on the caller's threads, restored after."""
+@pytest.mark.parametrize("decode", ["c-kernel", "pytorch"])
+def test_cpu_path_reads_only_owned_cache_rows_and_runs_small_groups_on_one_thread(decode, monkeypatch, rng_seed):
+    """The backend's CPU path on one step (three decodes of different lengths in one group, then a chunk after 5
+    cached keys), NaN in every cache slot no request owns: each request's output equals Lazy Attention over its own
+    keys written out here, so no unowned row is read (the PyTorch path pads the decodes to the longest with owned
+    rows; the C kernel reads each request's pages in place); the group under the one-thread limit runs on one
+    thread, the other on the caller's threads, restored after."""
     import types
+
+    from modeling_lazy.lazy_attention_cpu import decode_kernel
 
     import serving.lazy_attention_backend as backend
 
@@ -277,10 +281,14 @@ def test_pytorch_path_reads_only_owned_cache_rows_and_runs_small_groups_on_one_t
     metadata = builder.build(0, common)
     query = torch.randn(int(starts[-1]), heads, dim, generator=gen)
 
+    if decode == "c-kernel":
+        assert decode_kernel() is not None, "the CPU decode kernel did not build: is a C compiler (cc) installed?"
+    else:
+        monkeypatch.setenv("LAZY_ATTENTION_CPU_KERNEL", "0")
     threads_seen = []
-    op = backend.lazy_attention_torch
-    monkeypatch.setattr(backend, "lazy_attention_torch",
-                        lambda *args: threads_seen.append(torch.get_num_threads()) or op(*args))
+    for name in ("lazy_attention_torch", "lazy_decode_cpu"):
+        monkeypatch.setattr(backend, name, lambda *args, op=getattr(backend, name), **kwargs: threads_seen.append(
+            (op.__name__, torch.get_num_threads())) or op(*args, **kwargs))
     monkeypatch.setattr(backend, "_ONE_THREAD_MAX_ELEMENTS", 1000)  # decodes 3 * 4 * 40 keys; the chunk 4 * 20 * 25
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
@@ -289,7 +297,8 @@ def test_pytorch_path_reads_only_owned_cache_rows_and_runs_small_groups_on_one_t
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(threads)
-    assert threads_seen == [1, 2]
+    decodes = "lazy_decode_cpu" if decode == "c-kernel" else "lazy_attention_torch"
+    assert threads_seen == [(decodes, 1), ("lazy_attention_torch", 2)]
 
     for r, (m, n) in enumerate(zip(q_lens, seq_lens)):
         q = query[int(starts[r]): int(starts[r + 1])]  # [m, Hq, D]
