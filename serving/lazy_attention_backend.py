@@ -15,7 +15,10 @@ per-head distance bias need the whole score row and each query's position, so th
    the end of its last page), straight into contiguous `[2, B, Hkv, Tk, D]` keys and values, and calls
    the project's exact CPU op `lazy_attention_torch` with a `LazyMetadata` built from vLLM's sequence
    lengths: query i of a request with `c` cached tokens has position `c + i` (`n_i = c + i + 1`), key j
-   has position j.
+   has position j. In float32, a decode group (one token per request) skips that copy: the fused C kernel of
+   `modeling_lazy.lazy_attention_cpu` reads each request's pages in place through its block table and writes the
+   output rows, one call per layer and step (the PyTorch op stays for prefills, other dtypes, or when the kernel
+   cannot be built).
 
 Small work (every decode group of a usual batch, the cache writes of decode steps) runs on the calling thread
 only (`_one_thread`): vLLM's CPU worker keeps an OpenMP team of one thread per bound core, and every ATen op
