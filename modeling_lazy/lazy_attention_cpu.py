@@ -286,6 +286,38 @@ int lazy_decode_f32(
     return failed;
 }
 
+/* Elastic-Softmax in place on one causal chunk of scaled scores `s [batch, heads, rows, keys]` (contiguous): row r
+   of (b, h) has key index i = i0 + r and sees keys 0 .. i; add bias[h][i - j] where i - j < window, take the
+   softmax over 0 .. i, then a = max(0, p + tau[h] / n) with n = q_pos[b * q_pos_stride + row0 + r] + 1; keys past i
+   and rows without a finite score get 0. One pass per row where PyTorch makes four (bias, softmax, shift, ReLU). */
+int lazy_elastic_rows_f32(float *s, int64_t batch, int64_t heads, int64_t rows, int64_t keys, int64_t i0,
+                          const float *tau, const float *bias, int64_t window, const int64_t *q_pos,
+                          int64_t q_pos_stride, int64_t row0, int threads)
+{
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+    for (int64_t task = 0; task < batch * heads * rows; task++) {
+        const int64_t r = task % rows, h = (task / rows) % heads, b = task / (rows * heads);
+        float *x = s + task * keys;
+        const int64_t last = i0 + r, seen = last + 1 < keys ? last + 1 : keys;
+        const int64_t near = seen < window ? seen : window;
+        const float *bh = bias + h * window;
+        for (int64_t d = 0; d < near; d++) x[last - d] += bh[d];
+        if (seen < keys) memset(x + seen, 0, (keys - seen) * sizeof(float));
+        const float m = lazy_max(x, seen);
+        if (m == -INFINITY) {  /* no visible finite score: no normaliser, the weights are 0 */
+            memset(x, 0, seen * sizeof(float));
+            continue;
+        }
+        const float inv_z = 1.0f / lazy_exp_sum(x, seen, m);
+        const float shift = tau[h] / (float)(q_pos[b * q_pos_stride + row0 + r] + 1);
+        for (int64_t t = 0; t < seen; t++) {
+            const float a = x[t] * inv_z + shift;
+            x[t] = a > 0.0f ? a : 0.0f;
+        }
+    }
+    return 0;
+}
+
 /* The same with every argument but `scale` in one int64 array (one ctypes argument instead of 29: microseconds) */
 int lazy_decode_f32_packed(const int64_t *a, float scale) {
     return lazy_decode_f32(
@@ -332,26 +364,52 @@ def _build(directory: Path) -> Path:
     return target
 
 
-def decode_kernel():
-    """The compiled `lazy_decode_f32` (ctypes), or None where it cannot be built or is switched off."""
+def _library():
+    """The compiled library (ctypes), or None where it cannot be built or is switched off (then warned once)."""
     if os.environ.get("LAZY_ATTENTION_CPU_KERNEL", "1") == "0":
         return None
     if not _LIBRARY:
-        function = None
+        library = None
         try:
             # torch is imported first, so the kernel's OpenMP runtime (libgomp.so.1) is the one torch already loaded
             directory = Path(os.environ.get("LAZY_LLAMA_KERNEL_DIR",
                                             Path.home() / ".cache" / "lazy_llama" / "kernels"))
             library = ctypes.CDLL(str(_build(directory)))
-            function = library.lazy_decode_f32_packed
-            function.argtypes = [ctypes.c_void_p, ctypes.c_float]
-            function.restype = ctypes.c_int
+            library.lazy_decode_f32_packed.argtypes = [ctypes.c_void_p, ctypes.c_float]
+            library.lazy_decode_f32_packed.restype = ctypes.c_int
+            library.lazy_elastic_rows_f32.argtypes = [ctypes.c_void_p, *[ctypes.c_int64] * 5, ctypes.c_void_p,
+                                                      ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
+                                                      ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
+            library.lazy_elastic_rows_f32.restype = ctypes.c_int
         except (OSError, RuntimeError, subprocess.SubprocessError) as error:
-            warnings.warn(f"LazyLlama's CPU decode kernel could not be built ({error}); using the PyTorch path. "
+            warnings.warn(f"LazyLlama's CPU kernels could not be built ({error}); using the PyTorch path. "
                           "Install a C compiler (cc) or set LAZY_ATTENTION_CPU_KERNEL=0 to silence this.",
-                          stacklevel=2)
-        _LIBRARY.append(function)
+                          stacklevel=3)
+            library = None
+        _LIBRARY.append(library)
     return _LIBRARY[0]
+
+
+def decode_kernel():
+    """The compiled decode kernel (ctypes), or None where it cannot be built or is switched off."""
+    library = _library()
+    return None if library is None else library.lazy_decode_f32_packed
+
+
+def elastic_rows_kernel():
+    """The compiled in-place Elastic-Softmax of a causal score chunk (ctypes), or None (see `decode_kernel`)."""
+    library = _library()
+    return None if library is None else library.lazy_elastic_rows_f32
+
+
+def lazy_elastic_rows(kernel, scores, i0, tau, distance_bias, q_pos, row0):
+    """`scores [B, H, rows, keys]` (contiguous float32, already scaled) become the chunk's Lazy Attention weights in
+    place: row r is key index `i0 + r` and sees keys `0 .. i0 + r` (see `lazy_elastic_rows_f32` in the source);
+    `q_pos [B, Tq]` int64 with unit last stride, the chunk's first row being query `row0`. Returns `scores`."""
+    batch, heads, rows, keys = scores.shape
+    kernel(scores.data_ptr(), batch, heads, rows, keys, i0, tau.data_ptr(), distance_bias.data_ptr(),
+           distance_bias.shape[-1], q_pos.data_ptr(), q_pos.stride(0), row0, torch.get_num_threads())
+    return scores
 
 
 def lazy_decode_cpu(kernel, query, key, value, tau, distance_bias, scaling, out, kv_heads, *, seq_len=0,

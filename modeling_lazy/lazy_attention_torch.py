@@ -13,7 +13,7 @@ import weakref
 import torch
 import torch.nn.functional as F
 
-from .lazy_attention_cpu import decode_kernel, lazy_decode_cpu
+from .lazy_attention_cpu import decode_kernel, elastic_rows_kernel, lazy_decode_cpu, lazy_elastic_rows
 from .lazy_attention_reference import LazyMetadata, compute_dtype, distance_bias_scores, lazy_visibility
 
 # ---------------------------------------------------------------------------------------------------
@@ -164,10 +164,16 @@ def _tau_shift(tau, q_pos, start, stop, dtype):
     return tau.to(dtype)[None, :, None, None] * inv_n, inv_n
 
 
-def _causal_forward(q, k, v, tau, distance_bias, metadata: LazyMetadata, out):
+def _causal_forward(q, k, v, tau, distance_bias, metadata: LazyMetadata, out, inference=False):
     bsz, kv_heads, groups, q_len, dim = q.shape
     k_len = k.shape[2]
     step = _chunk_rows(bsz, kv_heads * groups, q_len, k_len)
+    kernel = None
+    if inference and q.dtype == torch.float32 and not torch.compiler.is_compiling():
+        kernel = elastic_rows_kernel()
+    if kernel is not None:  # the C kernel applies bias, causal limit, softmax, shift and ReLU in one pass per row
+        _causal_forward_kernel(kernel, q, k, v, tau, distance_bias, metadata, out, step)
+        return
     band, width = _band_table(distance_bias, step, k_len, q.dtype)
     mode = _tau_mode(tau)
     first_finite = _first_finite_distance(distance_bias)
@@ -180,6 +186,27 @@ def _causal_forward(q, k, v, tau, distance_bias, metadata: LazyMetadata, out):
             c.relu_shift(_tau_shift(tau, metadata.q_pos, start, stop, q.dtype)[0], mode, out=weights)
         w = weights.view(bsz, kv_heads, groups * c.rows, c.k_end)
         o = torch.matmul(w, v[:, :, : c.k_end]).view(bsz, kv_heads * groups, c.rows, dim)
+        out[:, start:stop] = o.transpose(1, 2)
+
+
+def _causal_forward_kernel(kernel, q, k, v, tau, distance_bias, metadata: LazyMetadata, out, step):
+    """The inference forward of the causal layout with the chunk's Elastic-Softmax from `lazy_elastic_rows` (float32).
+    Training keeps the PyTorch chunk, whose forward and backward must agree bitwise on the ReLU mask."""
+    bsz, kv_heads, groups, q_len, dim = q.shape
+    num_heads = kv_heads * groups
+    tau, bias = _as(tau.detach(), torch.float32).contiguous(), _as(distance_bias.detach(), torch.float32).contiguous()
+    q_pos = metadata.q_pos.expand(bsz, q_len)  # [B, Tq]; a shared row reads with stride 0
+    q_pos = q_pos if q_pos.stride(-1) == 1 else q_pos.contiguous()
+    workspace = _Workspace(1, bsz * num_heads * step * k.shape[2], q.dtype, q.device)
+    for start in range(0, q_len, step):
+        stop = min(q_len, start + step)
+        rows, i0 = stop - start, start + metadata.key_offset
+        k_end = i0 + rows
+        scores = workspace.view(0, bsz, kv_heads, groups * rows, k_end)
+        torch.matmul(q[:, :, :, start:stop].reshape(bsz, kv_heads, groups * rows, dim), k[:, :, :k_end].transpose(2, 3),
+                     out=scores)
+        lazy_elastic_rows(kernel, scores.view(bsz, num_heads, rows, k_end), i0, tau, bias, q_pos, start)
+        o = torch.matmul(scores, v[:, :, :k_end]).view(bsz, num_heads, rows, dim)
         out[:, start:stop] = o.transpose(1, 2)
 
 
@@ -298,13 +325,13 @@ def _scaled_inputs(query, key, value, metadata: LazyMetadata, scaling):
     return q, key[:, :, :k_len].to(dtype), value[:, :, :k_len].to(dtype)
 
 
-def _lazy_forward(query, key, value, tau, distance_bias, metadata: LazyMetadata, scaling):
+def _lazy_forward(query, key, value, tau, distance_bias, metadata: LazyMetadata, scaling, inference=False):
     """`(out [B, Tq, Hq, D] compute dtype, lse [B, Hq, Tq] or None in the causal layout)`."""
     q, k, v = _scaled_inputs(query, key, value, metadata, scaling)
     bsz, num_heads, q_len, dim = query.shape
     out = torch.empty(bsz, q_len, num_heads, dim, dtype=q.dtype, device=query.device)
     if metadata.causal:
-        _causal_forward(q, k, v, tau, distance_bias, metadata, out)
+        _causal_forward(q, k, v, tau, distance_bias, metadata, out, inference)
         return out, None
     return out, _general_forward(q, k, v, tau, distance_bias, metadata, out)
 
@@ -595,7 +622,7 @@ def lazy_attention_torch(query, key, value, tau, distance_bias, metadata: LazyMe
         return _one_row_decode(query, key, value, tau, distance_bias, metadata, float(scaling))
     if query.shape[2] <= _DECODE_MAX_ROWS:
         return _decode_forward(query, key, value, tau, distance_bias, metadata, float(scaling))
-    out, _ = _lazy_forward(query, key, value, tau, distance_bias, metadata, float(scaling))
+    out, _ = _lazy_forward(query, key, value, tau, distance_bias, metadata, float(scaling), inference=True)
     return out.to(query.dtype)  # inference (prefill): no autograd bookkeeping
 
 
