@@ -140,6 +140,23 @@ static inline float lazy_hsum8(__m256 x) {
     y = _mm_add_ss(y, _mm_shuffle_ps(y, y, 1));
     return _mm_cvtss_f32(y);
 }
+
+/* The same over 32 columns for gb <= 3 heads (12 accumulators; the value row is read from memory by each FMA) */
+static inline void lazy_axpy32(const int gb, const float *w, int64_t groups, const float *const *rows, int64_t m,
+                               int64_t c0, float *acc, int64_t acc_stride) {
+    __m256 a[3][4];
+    for (int g = 0; g < gb; g++)
+        for (int j = 0; j < 4; j++) a[g][j] = _mm256_loadu_ps(acc + g * acc_stride + c0 + 8 * j);
+    for (int64_t i = 0; i < m; i++) {
+        const float *r = rows[i] + c0;
+        for (int g = 0; g < gb; g++) {
+            const __m256 x = _mm256_broadcast_ss(w + i * groups + g);
+            for (int j = 0; j < 4; j++) a[g][j] = _mm256_fmadd_ps(x, _mm256_loadu_ps(r + 8 * j), a[g][j]);
+        }
+    }
+    for (int g = 0; g < gb; g++)
+        for (int j = 0; j < 4; j++) _mm256_storeu_ps(acc + g * acc_stride + c0 + 8 * j, a[g][j]);
+}
 #define LAZY_DOT8 1
 #endif
 
@@ -180,8 +197,9 @@ static inline float lazy_exp_sum(float *x, int64_t n, float m) {
 /* Row t of sequence b, head h: block table[b][t / block_size] (or b itself without a table), row t % block_size. */
 static inline int64_t lazy_row(const int32_t *table, int64_t table_stride, int64_t block_size, int64_t b,
                                int64_t t, int64_t s_block, int64_t s_head, int64_t s_token, int64_t h) {
-    int64_t block = table ? (int64_t)table[b * table_stride + t / block_size] : b;
-    int64_t row = table ? t % block_size : t;
+    if (!table) return b * s_block + h * s_head + t * s_token;
+    const int64_t blocks = (block_size & (block_size - 1)) == 0 ? t >> __builtin_ctzll(block_size) : t / block_size;
+    const int64_t block = table[b * table_stride + blocks], row = t - blocks * block_size;
     return block * s_block + h * s_head + row * s_token;
 }
 
@@ -244,7 +262,20 @@ int lazy_decode_f32(
         }
         /* the value rows some head of the group weights, with their weights as [m, groups] */
         int64_t m = 0;
-        for (int64_t t = 0; t < n; t++) {  /* written for every t, kept (m advanced) only when some weight is > 0 */
+        int64_t t0 = 0;
+#ifdef LAZY_DOT8
+        for (; t0 + 8 <= n; t0 += 8) {  /* 8 keys at a time: a bit per key that some head weights */
+            __m256 any = _mm256_setzero_ps();
+            for (int64_t g = 0; g < groups; g++)
+                any = _mm256_or_ps(any, _mm256_cmp_ps(_mm256_loadu_ps(s + g * n + t0), _mm256_setzero_ps(), _CMP_NEQ_OQ));
+            for (unsigned bits = (unsigned)_mm256_movemask_ps(any); bits; bits &= bits - 1) {
+                const int64_t t = t0 + __builtin_ctz(bits);
+                for (int64_t g = 0; g < groups; g++) w[m * groups + g] = s[g * n + t];
+                rows[m++] = v + lazy_row(table, table_stride, block_size, b, t, v_sblock, v_shead, v_stoken, h);
+            }
+        }
+#endif
+        for (int64_t t = t0; t < n; t++) {  /* written for every t, kept (m advanced) only when some weight is > 0 */
             int any = 0;
             for (int64_t g = 0; g < groups; g++) {
                 const float a = s[g * n + t];
@@ -260,6 +291,16 @@ int lazy_decode_f32(
             for (int64_t i0 = 0; i0 < m; i0 += 64) {
                 const int64_t rows_in = m - i0 < 64 ? m - i0 : 64;
                 const float *wi = w + i0 * groups;
+                if (dim_v % 32 == 0) {
+                    for (int64_t g0 = 0; g0 < groups; g0 += 3)
+                        for (int64_t c0 = 0; c0 < dim_v; c0 += 32)
+                            switch (groups - g0 < 3 ? groups - g0 : 3) {  /* constant head counts: registers only */
+                            case 1: lazy_axpy32(1, wi + g0, groups, rows + i0, rows_in, c0, acc + g0 * dim_v, dim_v); break;
+                            case 2: lazy_axpy32(2, wi + g0, groups, rows + i0, rows_in, c0, acc + g0 * dim_v, dim_v); break;
+                            default: lazy_axpy32(3, wi + g0, groups, rows + i0, rows_in, c0, acc + g0 * dim_v, dim_v);
+                            }
+                    continue;
+                }
                 for (int64_t g0 = 0; g0 < groups; g0 += 4)
                     for (int64_t c0 = 0; c0 < dim_v; c0 += 16)
                         switch (groups - g0 < 4 ? groups - g0 : 4) {  /* constant head counts: registers only */

@@ -300,7 +300,9 @@ class LazyAttentionImpl(AttentionImpl[LazyServingMetadata]):
         writes the output rows (no copy of the cache, one call per layer and step)."""
         num_blocks, kv_heads, block_size, width = cache_shape
         page, value_size = block_size * width, width - self.head_size
-        with _one_thread(group.batch * self.num_heads * group.metadata.key_length <= _ONE_THREAD_MAX_ELEMENTS):
+        # one parallel region per layer (not a dozen ops): worth the caller's threads once there are enough tasks
+        small = group.batch * kv_heads < 8 or group.batch * self.num_heads * group.metadata.key_length < (1 << 14)
+        with _one_thread(small):
             lazy_decode_cpu(kernel, query[group.token_index], keys, values, self.tau, self.distance_bias, self.scale,
                             output[group.token_index], kv_heads, seq_lens=group.seq_lens,
                             block_table=group.block_table, block_size=block_size,
