@@ -359,6 +359,29 @@ int lazy_elastic_rows_f32(float *s, int64_t batch, int64_t heads, int64_t rows, 
     return 0;
 }
 
+/* Cache write of a paged cache: token i's key rows key[i, h] (value rows value[i, h]) go to slot slots[i] (skipped
+   when negative), i.e. block slot / block_size, row slot % block_size, at the given element strides. */
+void lazy_cache_write_f32(const int64_t *a) {
+    const float *key = (const float *)a[0], *value = (const float *)a[3];
+    const int64_t k_si = a[1], k_sh = a[2], v_si = a[4], v_sh = a[5];
+    const int64_t *slots = (const int64_t *)a[6];
+    float *k_cache = (float *)a[8], *v_cache = (float *)a[12];
+    const int64_t count = a[7], kc_block = a[9], kc_head = a[10], kc_token = a[11];
+    const int64_t vc_block = a[13], vc_head = a[14], vc_token = a[15];
+    const int64_t block_size = a[16], heads = a[17], dim = a[18], dim_v = a[19];
+    for (int64_t i = 0; i < count; i++) {
+        const int64_t slot = slots[i];
+        if (slot < 0) continue;  /* a padded token */
+        const int64_t block = slot / block_size, row = slot % block_size;
+        for (int64_t h = 0; h < heads; h++) {
+            memcpy(k_cache + block * kc_block + h * kc_head + row * kc_token, key + i * k_si + h * k_sh,
+                   dim * sizeof(float));
+            memcpy(v_cache + block * vc_block + h * vc_head + row * vc_token, value + i * v_si + h * v_sh,
+                   dim_v * sizeof(float));
+        }
+    }
+}
+
 /* The same with every argument but `scale` in one int64 array (one ctypes argument instead of 29: microseconds) */
 int lazy_decode_f32_packed(const int64_t *a, float scale) {
     return lazy_decode_f32(
@@ -422,6 +445,8 @@ def _library():
                                                       ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
                                                       ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
             library.lazy_elastic_rows_f32.restype = ctypes.c_int
+            library.lazy_cache_write_f32.argtypes = [ctypes.c_void_p]
+            library.lazy_cache_write_f32.restype = None
         except (OSError, RuntimeError, subprocess.SubprocessError) as error:
             warnings.warn(f"LazyLlama's CPU kernels could not be built ({error}); using the PyTorch path. "
                           "Install a C compiler (cc) or set LAZY_ATTENTION_CPU_KERNEL=0 to silence this.",
@@ -441,6 +466,23 @@ def elastic_rows_kernel():
     """The compiled in-place Elastic-Softmax of a causal score chunk (ctypes), or None (see `decode_kernel`)."""
     library = _library()
     return None if library is None else library.lazy_elastic_rows_f32
+
+
+def cache_write_kernel():
+    """The compiled paged-cache write (ctypes), or None (see `decode_kernel`)."""
+    library = _library()
+    return None if library is None else library.lazy_cache_write_f32
+
+
+def lazy_cache_write(kernel, key, value, slots, key_cache, value_cache, key_strides, value_strides, block_size):
+    """Write `key [T, Hkv, D]` and `value [T, Hkv, Dv]` (float32, unit last stride) to the slots `slots [T]` (int64,
+    contiguous; -1 skips a token) of a paged cache: row `slot % block_size` of block `slot // block_size`, with
+    element strides `(s_block, s_head, s_token)` from the data pointers of `key_cache` / `value_cache`."""
+    args = array.array("q", (key.data_ptr(), *key.stride()[:2], value.data_ptr(), *value.stride()[:2],
+                             slots.data_ptr(), slots.shape[0], key_cache.data_ptr(), *key_strides,
+                             value_cache.data_ptr(), *value_strides, block_size, key.shape[1], key.shape[2],
+                             value.shape[2]))
+    kernel(args.buffer_info()[0])
 
 
 def lazy_elastic_rows(kernel, scores, i0, tau, distance_bias, q_pos, row0):

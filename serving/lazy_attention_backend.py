@@ -51,7 +51,7 @@ from vllm.v1.attention.backend import (
 )
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
-from modeling_lazy.lazy_attention_cpu import decode_kernel, lazy_decode_cpu
+from modeling_lazy.lazy_attention_cpu import cache_write_kernel, decode_kernel, lazy_cache_write, lazy_decode_cpu
 from modeling_lazy.lazy_attention_reference import LazyMetadata
 from modeling_lazy.lazy_attention_torch import lazy_attention_torch
 from modeling_lazy.modeling_lazy import _lazy_backend
@@ -237,6 +237,14 @@ class LazyAttentionImpl(AttentionImpl[LazyServingMetadata]):
         count = slot_mapping.shape[0]
         slots = slot_mapping.long()
         key, value = key[:count], value[:count]
+        kernel = cache_write_kernel() if kv_cache.dtype == key.dtype == value.dtype == torch.float32 else None
+        if kernel is not None and key.stride(-1) == 1 and value.stride(-1) == 1:  # one C call, no index tensors
+            num_blocks, kv_heads, block_size, width = kv_cache.shape
+            keys, values = _split_pages(kv_cache, self.head_size)
+            page = block_size * width
+            lazy_cache_write(kernel, key, value, slots.contiguous(), keys, values, (kv_heads * page, page, self.head_size),
+                             (kv_heads * page, page, width - self.head_size), block_size)
+            return
         valid = slots >= 0  # padded tokens carry -1
         if not bool(valid.all()):
             slots, key, value = slots[valid], key[valid], value[valid]

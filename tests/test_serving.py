@@ -266,6 +266,10 @@ def test_cpu_path_reads_only_owned_cache_rows_and_runs_small_groups_on_one_threa
     cache = torch.full((17, kv_heads, page, 2 * dim), float("nan"))
     tau, bias = -1.0 + 0.2 * torch.randn(heads, generator=gen), torch.randn(heads, window, generator=gen)
     impl = backend.LazyAttentionImpl(heads, dim, dim**-0.5, kv_heads, tau=tau, distance_bias=bias)
+    if decode == "c-kernel":
+        assert decode_kernel() is not None, "the CPU decode kernel did not build: is a C compiler (cc) installed?"
+    else:
+        monkeypatch.setenv("LAZY_ATTENTION_CPU_KERNEL", "0")
     keys = [torch.randn(n, kv_heads, dim, generator=gen) for n in seq_lens]
     values = [torch.randn(n, kv_heads, dim, generator=gen) for n in seq_lens]
     for r, n in enumerate(seq_lens):
@@ -281,10 +285,6 @@ def test_cpu_path_reads_only_owned_cache_rows_and_runs_small_groups_on_one_threa
     metadata = builder.build(0, common)
     query = torch.randn(int(starts[-1]), heads, dim, generator=gen)
 
-    if decode == "c-kernel":
-        assert decode_kernel() is not None, "the CPU decode kernel did not build: is a C compiler (cc) installed?"
-    else:
-        monkeypatch.setenv("LAZY_ATTENTION_CPU_KERNEL", "0")
     threads_seen = []
     for name in ("lazy_attention_torch", "lazy_decode_cpu"):
         monkeypatch.setattr(backend, name, lambda *args, op=getattr(backend, name), **kwargs: threads_seen.append(
@@ -314,3 +314,29 @@ def test_cpu_path_reads_only_owned_cache_rows_and_runs_small_groups_on_one_threa
         expected = torch.einsum("hqk,khd->qhd", weights, v)
         torch.testing.assert_close(out[int(starts[r]): int(starts[r + 1])], expected, rtol=1e-5, atol=1e-5,
                                    msg=lambda text, r=r: f"request {r} (seed {rng_seed}): {text}")
+
+
+def test_cache_write_in_c_equals_the_pytorch_write(monkeypatch, rng_seed):
+    """The float32 cache write (one C call) leaves the cache exactly as the PyTorch write does: strided key and
+    value views (vLLM splits them from one projection), padded tokens (slot -1) skipped, other slots untouched."""
+    import serving.lazy_attention_backend as backend
+    from modeling_lazy.lazy_attention_cpu import cache_write_kernel
+
+    assert cache_write_kernel() is not None, "the CPU kernels did not build: is a C compiler (cc) installed?"
+    heads, kv_heads, dim, page, tokens = 4, 2, 16, 8, 11
+    impl = backend.LazyAttentionImpl(heads, dim, dim**-0.5, kv_heads, tau=torch.zeros(heads),
+                                     distance_bias=torch.zeros(heads, 4))
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim)
+    key = qkv[:, heads * dim: (heads + kv_heads) * dim].view(tokens, kv_heads, dim)
+    value = qkv[:, (heads + kv_heads) * dim:].view(tokens, kv_heads, dim)
+    slots = torch.randperm(6 * page)[:tokens]
+    slots[[2, 7]] = -1
+    caches = []
+    for switch in ("1", "0"):
+        monkeypatch.setenv("LAZY_ATTENTION_CPU_KERNEL", switch)
+        cache = torch.full((6, kv_heads, page, 2 * dim), float("nan"))
+        impl.do_kv_cache_update(None, key, value, cache, slots)
+        caches.append(cache)
+    assert torch.equal(caches[0].isnan(), caches[1].isnan()), f"seed {rng_seed}"
+    assert torch.equal(caches[0].nan_to_num(7.0), caches[1].nan_to_num(7.0)), f"seed {rng_seed}"
+    assert int((~caches[0].isnan()).sum()) == (tokens - 2) * kv_heads * 2 * dim
