@@ -333,10 +333,13 @@ def main(argv=None):
     parser.add_argument("--no-train", action="store_true", help="skip the training-step rows of `model`")
     parser.add_argument("--json", help="also write every row as raw data to this file")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
+    parser.add_argument("--rounds", type=int, default=None, help="interleaved rounds per ratio (default: 5, smoke 3)")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     size = dict(SIZES["smoke" if args.smoke else "full"], train_steps=not args.no_train)
+    if args.rounds:
+        size["rounds"] = args.rounds
     torch.manual_seed(0)
     machine = (f"{platform.processor() or platform.machine()}, {os.cpu_count()} cpus, "
                f"threads {torch.get_num_threads()}, torch {torch.__version__}, "

@@ -85,7 +85,7 @@ static inline void lazy_dot8(const float *q, const float *const *k, int64_t dim,
     _mm256_storeu_ps(out, _mm256_mul_ps(sum, _mm256_set1_ps(scale)));
 }
 
-/* acc[g][c0 .. c0 + 15] += sum_i w[i * groups + g] * rows[i][c0 .. c0 + 15] for the gb (<= 4) heads g: registers only */
+/* acc[g][c0 .. c0 + 15] += sum_i w[i * groups + g] * rows[i][c0 .. c0 + 15], gb (<= 4) heads g: registers only */
 static inline void lazy_axpy16(const int gb, const float *w, int64_t groups, const float *const *rows, int64_t m,
                                int64_t c0, float *acc, int64_t acc_stride) {
     __m256 a[4][2];
@@ -267,7 +267,8 @@ int lazy_decode_f32(
         for (; t0 + 8 <= n; t0 += 8) {  /* 8 keys at a time: a bit per key that some head weights */
             __m256 any = _mm256_setzero_ps();
             for (int64_t g = 0; g < groups; g++)
-                any = _mm256_or_ps(any, _mm256_cmp_ps(_mm256_loadu_ps(s + g * n + t0), _mm256_setzero_ps(), _CMP_NEQ_OQ));
+                any = _mm256_or_ps(any, _mm256_cmp_ps(_mm256_loadu_ps(s + g * n + t0), _mm256_setzero_ps(),
+                                                      _CMP_NEQ_OQ));
             for (unsigned bits = (unsigned)_mm256_movemask_ps(any); bits; bits &= bits - 1) {
                 const int64_t t = t0 + __builtin_ctz(bits);
                 for (int64_t g = 0; g < groups; g++) w[m * groups + g] = s[g * n + t];
@@ -290,24 +291,24 @@ int lazy_decode_f32(
             memset(acc, 0, groups * dim_v * sizeof(float));
             for (int64_t i0 = 0; i0 < m; i0 += 64) {
                 const int64_t rows_in = m - i0 < 64 ? m - i0 : 64;
-                const float *wi = w + i0 * groups;
+                const float *wi = w + i0 * groups, *const *ri = rows + i0;
                 if (dim_v % 32 == 0) {
                     for (int64_t g0 = 0; g0 < groups; g0 += 3)
                         for (int64_t c0 = 0; c0 < dim_v; c0 += 32)
                             switch (groups - g0 < 3 ? groups - g0 : 3) {  /* constant head counts: registers only */
-                            case 1: lazy_axpy32(1, wi + g0, groups, rows + i0, rows_in, c0, acc + g0 * dim_v, dim_v); break;
-                            case 2: lazy_axpy32(2, wi + g0, groups, rows + i0, rows_in, c0, acc + g0 * dim_v, dim_v); break;
-                            default: lazy_axpy32(3, wi + g0, groups, rows + i0, rows_in, c0, acc + g0 * dim_v, dim_v);
+                            case 1: lazy_axpy32(1, wi + g0, groups, ri, rows_in, c0, acc + g0 * dim_v, dim_v); break;
+                            case 2: lazy_axpy32(2, wi + g0, groups, ri, rows_in, c0, acc + g0 * dim_v, dim_v); break;
+                            default: lazy_axpy32(3, wi + g0, groups, ri, rows_in, c0, acc + g0 * dim_v, dim_v);
                             }
                     continue;
                 }
                 for (int64_t g0 = 0; g0 < groups; g0 += 4)
                     for (int64_t c0 = 0; c0 < dim_v; c0 += 16)
                         switch (groups - g0 < 4 ? groups - g0 : 4) {  /* constant head counts: registers only */
-                        case 1: lazy_axpy16(1, wi + g0, groups, rows + i0, rows_in, c0, acc + g0 * dim_v, dim_v); break;
-                        case 2: lazy_axpy16(2, wi + g0, groups, rows + i0, rows_in, c0, acc + g0 * dim_v, dim_v); break;
-                        case 3: lazy_axpy16(3, wi + g0, groups, rows + i0, rows_in, c0, acc + g0 * dim_v, dim_v); break;
-                        default: lazy_axpy16(4, wi + g0, groups, rows + i0, rows_in, c0, acc + g0 * dim_v, dim_v);
+                        case 1: lazy_axpy16(1, wi + g0, groups, ri, rows_in, c0, acc + g0 * dim_v, dim_v); break;
+                        case 2: lazy_axpy16(2, wi + g0, groups, ri, rows_in, c0, acc + g0 * dim_v, dim_v); break;
+                        case 3: lazy_axpy16(3, wi + g0, groups, ri, rows_in, c0, acc + g0 * dim_v, dim_v); break;
+                        default: lazy_axpy16(4, wi + g0, groups, ri, rows_in, c0, acc + g0 * dim_v, dim_v);
                         }
             }
         } else

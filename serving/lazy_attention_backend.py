@@ -242,8 +242,9 @@ class LazyAttentionImpl(AttentionImpl[LazyServingMetadata]):
             num_blocks, kv_heads, block_size, width = kv_cache.shape
             keys, values = _split_pages(kv_cache, self.head_size)
             page = block_size * width
-            lazy_cache_write(kernel, key, value, slots.contiguous(), keys, values, (kv_heads * page, page, self.head_size),
-                             (kv_heads * page, page, width - self.head_size), block_size)
+            lazy_cache_write(kernel, key, value, slots.contiguous(), keys, values,
+                             (kv_heads * page, page, self.head_size), (kv_heads * page, page, width - self.head_size),
+                             block_size)
             return
         valid = slots >= 0  # padded tokens carry -1
         if not bool(valid.all()):

@@ -172,9 +172,8 @@ def test_switched_off_builds_nothing(tmp_path, monkeypatch):
 def test_greedy_generation_with_the_kernel_equals_the_pytorch_path(monkeypatch, rng_seed):
     """A tiny float32 LazyLlama (tau of both signs, visible bias): the kernel's tokens and scores equal the
     PyTorch decode path's, for one sequence and for a batch (both in the causal layout)."""
-    from tests.conftest import tiny_model
-
     from modeling_lazy import lazy_attention_torch as ops
+    from tests.conftest import tiny_model
 
     _kernel()
     calls = []
@@ -194,3 +193,34 @@ def test_greedy_generation_with_the_kernel_equals_the_pytorch_path(monkeypatch, 
         assert torch.equal(kernel.sequences, torch_path.sequences), f"seed {rng_seed}"
         torch.testing.assert_close(torch.stack(kernel.scores), torch.stack(torch_path.scores), atol=1e-4, rtol=1e-4,
                                    msg=lambda m: f"seed {rng_seed}: {m}")
+
+
+@pytest.mark.parametrize("tau_kind", list(TAUS))
+@pytest.mark.parametrize("case", ["many-chunks", "cached-keys", "long-window"])
+def test_prefill_elastic_rows_match_float64(case, tau_kind, rng_seed, monkeypatch):
+    """Inference prefill in the causal layout takes its Elastic-Softmax from the C library, chunk by chunk: against
+    the float64 reference, with chunks forced small, cached keys before the queries, rows without a normaliser."""
+    from modeling_lazy import lazy_attention_reference as ref
+    from modeling_lazy import lazy_attention_torch as ops
+
+    _kernel()
+    calls = []
+    rows = ops.lazy_elastic_rows
+    monkeypatch.setattr(ops, "lazy_elastic_rows", lambda *args: calls.append(1) or rows(*args))
+    if case == "many-chunks":
+        monkeypatch.setattr(ops, "_CHUNK_ELEMENTS", 2048)  # a few rows per chunk
+    heads, kv_heads, dim = 6, 2, 16
+    q_len, past, window = {"many-chunks": (70, 0, 16), "cached-keys": (40, 25, 8), "long-window": (33, 3, 128)}[case]
+    bsz = 2
+    meta = ref.lazy_attention_metadata(None, None, past, q_len, bsz, torch.device("cpu"))
+    q = torch.randn(bsz, heads, q_len, dim) * 2
+    k, v = torch.randn(bsz, kv_heads, past + q_len, dim), torch.randn(bsz, kv_heads, past + q_len, dim)
+    tau, bias = TAUS[tau_kind](heads), torch.randn(heads, window)
+    bias[1, :4] = float("-inf")  # head 1: the first four rows of a sequence see only -inf scores
+    with torch.no_grad():
+        got = ops.lazy_attention_torch(q, k, v, tau, bias, meta, dim**-0.5)
+    assert calls, "the C Elastic-Softmax was not used"
+    want, _ = ref.lazy_attention_reference(q.double(), k.double(), v.double(), tau.double(), bias.double(), meta,
+                                           dim**-0.5)
+    assert torch.isfinite(got).all(), f"seed {rng_seed}"
+    torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5, msg=lambda m: f"seed {rng_seed}: {m}")

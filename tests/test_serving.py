@@ -251,9 +251,8 @@ def test_cpu_path_reads_only_owned_cache_rows_and_runs_small_groups_on_one_threa
     thread, the other on the caller's threads, restored after."""
     import types
 
-    from modeling_lazy.lazy_attention_cpu import decode_kernel
-
     import serving.lazy_attention_backend as backend
+    from modeling_lazy.lazy_attention_cpu import decode_kernel
 
     gen = torch.Generator().manual_seed(rng_seed)
     heads, kv_heads, dim, page, window = 4, 2, 16, 16, 8
