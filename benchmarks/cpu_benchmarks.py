@@ -347,15 +347,16 @@ def main(argv=None):
     print(f"machine: {machine}")
     benches = {"attention": bench_attention, "memory": bench_memory, "model": bench_model, "decode": bench_decode,
                "smollm2": bench_smollm2}
+    from lazy_tools.replicate import code_version
+
+    code = code_version()  # the git commit measured (and uncommitted files), taken before anything runs
     started = time.time()
     for name in args.only.split(","):
         benches[name.strip()](size)
     if args.json:
         with open(args.json, "w") as handle:
-            from lazy_tools.replicate import code_version  # the git commit measured (and uncommitted files)
-
             json.dump({"command": " ".join(["python -m benchmarks.cpu_benchmarks", *(argv or sys.argv[1:])]),
-                       "code": code_version(),
+                       "code": code,
                        "machine": machine, "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
                        "seconds": round(time.time() - started), "rows": RESULTS}, handle, indent=1)
 

@@ -356,7 +356,7 @@ def code_version() -> dict:
     def git(*cmd):
         try:
             done = subprocess.run(["git", *cmd], check=False, cwd=root, capture_output=True, text=True, timeout=30)
-            return done.stdout.strip()
+            return done.stdout.rstrip()  # (porcelain lines start with a space: keep it)
         except (OSError, subprocess.SubprocessError):
             return ""
 
