@@ -4,8 +4,9 @@ vLLM's own backends compute softmax attention; Elastic-Softmax (`ReLU(softmax + 
 per-head distance bias need the whole score row and each query's position, so this backend:
 
 1. asks vLLM for the head-major cache layout (`LBHNC`): one layer's cache is a contiguous
-   `[num_blocks, num_kv_heads, block_size, head_size + head_size_v]` tensor whose (block, head) pages
-   this backend fills as `block_size` keys followed by `block_size` values (`_split_pages`);
+   `[num_blocks, num_kv_heads, block_size, 2 * head_size]` tensor whose (block, head) pages this backend
+   fills as `block_size` keys followed by `block_size` values (`_split_pages`; value heads of another size
+   are refused);
 2. writes every new token's K and V into their pages (`do_kv_cache_update`);
 3. for each step, groups the scheduled requests (`LazyServingMetadata`, built once per step and shared by
    every layer, with every index tensor the layers need): prefills or prefill chunks of the same query and
@@ -93,7 +94,6 @@ class LazyGroup:
     token_index: slice | torch.Tensor  # rows of the step's flat query tensor, in [B, Tq] order
     batch: int
     query_length: int
-    pages: torch.Tensor  # [B * Hkv * blocks] int64: rows `block * Hkv + head` of the cache's page view
     kv_rows: torch.Tensor  # [2 * B * Hkv * Tk] int64: K then V rows of the cache as `[pages * 2 * block, D]`
     metadata: LazyMetadata
     block_table: torch.Tensor  # [B, blocks] int32: the requests' blocks (the C kernel reads the pages in place)
@@ -152,13 +152,8 @@ class LazyAttentionMetadataBuilder(AttentionMetadataBuilder[LazyServingMetadata]
         lengths = torch.tensor([seq_lens[r] for r in requests])
         key_length = int(lengths.max())
         num_blocks = -(-key_length // self.block_size)
-        # a shorter request's missing pages repeat its last page (any valid page: its keys are padding)
-        last_page = (lengths + self.block_size - 1) // self.block_size - 1
-        columns = torch.minimum(torch.arange(num_blocks), last_page[:, None])
         table = block_table[requests, :num_blocks].long()
-        blocks = torch.gather(table, 1, columns)  # [B, blocks]
         heads = torch.arange(self.num_kv_heads)
-        pages = blocks[:, None, :] * self.num_kv_heads + heads[None, :, None]
         # token rows: a shorter request's padding keys repeat its last key (finite; the metadata hides them)
         token = torch.minimum(torch.arange(key_length), lengths[:, None] - 1)  # [B, Tk]
         token_page = torch.gather(table, 1, token // self.block_size)[:, None, :] * self.num_kv_heads
@@ -173,8 +168,7 @@ class LazyAttentionMetadataBuilder(AttentionMetadataBuilder[LazyServingMetadata]
             token_index = slice(first[0], first[0] + query_length * len(requests))
         else:
             token_index = (torch.tensor(first)[:, None] + torch.arange(query_length)).view(-1).to(self.device)
-        return LazyGroup(token_index, len(requests), query_length, pages.view(-1).to(self.device),
-                         kv_rows.to(self.device), metadata, table.to(torch.int32), lengths.to(torch.int32))
+        return LazyGroup(token_index, len(requests), query_length, kv_rows.to(self.device), metadata, table.to(torch.int32), lengths.to(torch.int32))
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> LazyServingMetadata:
@@ -277,9 +271,8 @@ class LazyAttentionImpl(AttentionImpl[LazyServingMetadata]):
             output[:count] = out.to(output.dtype)
             return output
         kv_heads = kv_cache.shape[1]
-        token_rows = kv_cache.shape[-1] == 2 * self.head_size  # K and V rows of one width: one gather of rows
-        rows = kv_cache.view(-1, self.head_size) if token_rows else None
         keys, values = _split_pages(kv_cache, self.head_size)
+        rows = kv_cache.view(-1, self.head_size)  # K and V rows of one width (checked above): one gather of rows
         kernel = decode_kernel() if kv_cache.dtype == query.dtype == output.dtype == torch.float32 else None
         for group in attn_metadata.groups:
             if kernel is not None and group.query_length == 1 and isinstance(group.token_index, slice):
@@ -288,12 +281,9 @@ class LazyAttentionImpl(AttentionImpl[LazyServingMetadata]):
             key_length = group.metadata.key_length
             small = group.batch * self.num_heads * group.query_length * key_length <= _ONE_THREAD_MAX_ELEMENTS
             with _one_thread(small):
-                if token_rows:  # one copy of the rows the group reads: contiguous [2, B, Hkv, Tk, D]
-                    kv = rows.index_select(0, group.kv_rows).view(2, group.batch, kv_heads, key_length, -1)
-                    k, v = kv[0], kv[1]
-                else:  # one copy per (request, head, block) each: contiguous [B, Hkv, blocks * block_size, D]
-                    k = keys.index_select(0, group.pages).view(group.batch, kv_heads, -1, self.head_size)
-                    v = values.index_select(0, group.pages).view(group.batch, kv_heads, k.shape[2], -1)
+                # one copy of the rows the group reads: contiguous [2, B, Hkv, Tk, D]
+                kv = rows.index_select(0, group.kv_rows).view(2, group.batch, kv_heads, key_length, -1)
+                k, v = kv[0], kv[1]
                 q = query[group.token_index].view(group.batch, group.query_length, self.num_heads, self.head_size)
                 out = lazy_attention_torch(q.transpose(1, 2), k, v, self.tau, self.distance_bias, group.metadata,
                                            self.scale)  # [B, Tq, Hq, Dv]
@@ -329,6 +319,10 @@ def _split_pages(kv_cache: torch.Tensor, head_size: int) -> tuple[torch.Tensor, 
     if not kv_cache.is_contiguous():
         raise RuntimeError(f"LazyLlama on vLLM needs the LBHNC KV-cache layout; got strides {kv_cache.stride()} "
                            "(unset VLLM_KV_CACHE_LAYOUT).")
+    if kv_cache.shape[-1] != 2 * head_size:
+        raise ValueError(f"LazyLlama on vLLM needs value heads of the key head size {head_size}; this cache holds "
+                         f"values of {kv_cache.shape[-1] - head_size} (Lazy Attention is defined for Llama's equal "
+                         "head sizes).")
     num_blocks, kv_heads, block_size, width = kv_cache.shape
     pages = kv_cache.view(num_blocks * kv_heads, block_size * width)
     return pages[:, : block_size * head_size], pages[:, block_size * head_size:]
@@ -336,10 +330,8 @@ def _split_pages(kv_cache: torch.Tensor, head_size: int) -> tuple[torch.Tensor, 
 
 def _page_views(kv_cache: torch.Tensor, head_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The same pages as `_split_pages`, as `(K, V)` views `[num_blocks, Hkv, block_size, D]` (Triton path)."""
-    _split_pages(kv_cache, head_size)  # the layout check
+    _split_pages(kv_cache, head_size)  # the layout and head-size checks
     num_blocks, kv_heads, block_size, width = kv_cache.shape
-    if width != 2 * head_size:
-        raise ValueError(f"the Triton path needs value heads of the key head size {head_size}; got {width - head_size}")
     pages = kv_cache.view(num_blocks, kv_heads, 2 * block_size, head_size)
     return pages[:, :, :block_size], pages[:, :, block_size:]
 

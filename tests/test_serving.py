@@ -339,3 +339,22 @@ def test_cache_write_in_c_equals_the_pytorch_write(monkeypatch, rng_seed):
     assert torch.equal(caches[0].isnan(), caches[1].isnan()), f"seed {rng_seed}"
     assert torch.equal(caches[0].nan_to_num(7.0), caches[1].nan_to_num(7.0)), f"seed {rng_seed}"
     assert int((~caches[0].isnan()).sum()) == (tokens - 2) * kv_heads * 2 * dim
+
+
+@pytest.mark.parametrize("step", ["cache write", "attention"])
+def test_value_heads_of_another_size_are_refused_clearly(step):
+    """Lazy Attention is defined for Llama's equal key and value head sizes: a cache laid out for other value heads
+    is refused with a message that names both sizes, at the cache write and at the attention step alike."""
+    import serving.lazy_attention_backend as backend
+
+    heads, kv_heads, dim = 4, 2, 16
+    impl = backend.LazyAttentionImpl(heads, dim, dim**-0.5, kv_heads, tau=torch.zeros(heads),
+                                     distance_bias=torch.zeros(heads, 4))
+    cache = torch.zeros(4, kv_heads, 8, dim + 24)
+    with pytest.raises(ValueError, match="value heads of the key head size 16; this cache holds values of 24"):
+        if step == "cache write":
+            impl.do_kv_cache_update(None, torch.randn(3, kv_heads, dim), torch.randn(3, kv_heads, 24), cache,
+                                    torch.arange(3))
+        else:
+            metadata = backend.LazyServingMetadata(num_actual_tokens=1, groups=[])
+            impl.forward(None, torch.randn(1, heads, dim), None, None, cache, metadata, torch.zeros(1, heads, 24))
