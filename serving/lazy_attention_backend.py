@@ -168,7 +168,8 @@ class LazyAttentionMetadataBuilder(AttentionMetadataBuilder[LazyServingMetadata]
             token_index = slice(first[0], first[0] + query_length * len(requests))
         else:
             token_index = (torch.tensor(first)[:, None] + torch.arange(query_length)).view(-1).to(self.device)
-        return LazyGroup(token_index, len(requests), query_length, kv_rows.to(self.device), metadata, table.to(torch.int32), lengths.to(torch.int32))
+        return LazyGroup(token_index, len(requests), query_length, kv_rows.to(self.device), metadata,
+                         table.to(torch.int32), lengths.to(torch.int32))
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> LazyServingMetadata:
