@@ -1,8 +1,8 @@
-"""A fused CPU kernel (C, compiled on first use) for decode: one query row per sequence against its cached keys.
+"""Fused CPU kernels (C, compiled on first use) for Lazy Attention inference in float32.
 
 PyTorch computes a decode row of Lazy Attention in five or more ops (scores, bias, softmax, `+ tau / n` and the
-ReLU, the value product), each a dispatch and a full pass over the row; SDPA does softmax attention in one. This
-kernel does the whole row in one call, per (sequence, key/value head) task:
+ReLU, the value product), each a dispatch and a full pass over the row; SDPA does softmax attention in one. The
+decode kernel (`lazy_decode_f32`) does the whole row in one call, per (sequence, key/value head) task:
 
 1. scores `s_gt = scale * q_g . k_t + b_h(n - 1 - t)` for the G query heads g of the group, reading each key
    row once (the bias only for distances below the window W);
@@ -11,14 +11,17 @@ kernel does the whole row in one call, per (sequence, key/value head) task:
    them): exactly the dense sum, reading a fraction of V.
 
 Keys and values are addressed through an optional block table, so the same kernel reads the model's contiguous
-cache (`[B, Hkv, T, D]`, any strides with unit last stride) and vLLM's paged cache in place. float32 only; the
-callers keep their PyTorch paths for other dtypes, for autograd and under torch.compile.
+cache (`[B, Hkv, T, D]`, any strides with unit last stride) and vLLM's paged cache in place. Two smaller functions
+share the library: `lazy_elastic_rows_f32` turns a causal prefill chunk's scores into weights in one pass per row
+(bias, causal limit, softmax, shift, ReLU), and `lazy_cache_write_f32` writes K/V rows into vLLM's pages. float32
+only; the callers keep their PyTorch paths for other dtypes, for autograd and under torch.compile.
 
 The source below is compiled with the system C compiler (`cc`, `-O3 -march=native`, OpenMP when available) into
 a per-user cache (`$LAZY_LLAMA_KERNEL_DIR`, default `~/.cache/lazy_llama/kernels`) keyed by the source, the flags
-and the CPU, and loaded with ctypes. No compiler, a failed build or `LAZY_ATTENTION_CPU_KERNEL=0` leaves
-`decode_kernel()` returning None and the PyTorch paths in charge. `exp` is a branch-free polynomial (relative
-error below 2e-7, in the float32 rounding noise) so that the compiler vectorizes it.
+and the CPU, and loaded with ctypes. No compiler, a failed build (one warning) or `LAZY_ATTENTION_CPU_KERNEL=0`
+make the `*_kernel()` getters return None and leave the PyTorch paths in charge. `exp` is a branch-free polynomial
+(relative error below 2e-7, in the float32 rounding noise) so that the compiler vectorizes it; with AVX2 and FMA
+(`LAZY_AVX2`) the scores, softmax and value sums use intrinsics, scalar loops otherwise.
 """
 
 import array
@@ -157,14 +160,14 @@ static inline void lazy_axpy32(const int gb, const float *w, int64_t groups, con
     for (int g = 0; g < gb; g++)
         for (int j = 0; j < 4; j++) _mm256_storeu_ps(acc + g * acc_stride + c0 + 8 * j, a[g][j]);
 }
-#define LAZY_DOT8 1
+#define LAZY_AVX2 1
 #endif
 
 /* max_t x[t] */
 static inline float lazy_max(const float *x, int64_t n) {
     float m = -INFINITY;
     int64_t t = 0;
-#ifdef LAZY_DOT8
+#ifdef LAZY_AVX2
     __m256 lanes = _mm256_set1_ps(-INFINITY);
     for (; t + 8 <= n; t += 8) lanes = _mm256_max_ps(lanes, _mm256_loadu_ps(x + t));
     m = lazy_hmax8(lanes);
@@ -177,7 +180,7 @@ static inline float lazy_max(const float *x, int64_t n) {
 static inline float lazy_exp_sum(float *x, int64_t n, float m) {
     float z = 0.0f;
     int64_t t = 0;
-#ifdef LAZY_DOT8
+#ifdef LAZY_AVX2
     __m256 lanes = _mm256_setzero_ps();
     const __m256 mv = _mm256_set1_ps(m);
     for (; t + 8 <= n; t += 8) {
@@ -230,7 +233,7 @@ int lazy_decode_f32(
         const float **rows = (const float **)(acc + groups * dim_v);
         const float *q0 = q + b * q_sb + h * groups * q_sh;
         int64_t t = 0;
-#ifdef LAZY_DOT8
+#ifdef LAZY_AVX2
         if (dim % 8 == 0)
             for (; t + 8 <= n; t += 8) {
                 const float *rows[8];
@@ -263,7 +266,7 @@ int lazy_decode_f32(
         /* the value rows some head of the group weights, with their weights as [m, groups] */
         int64_t m = 0;
         int64_t t0 = 0;
-#ifdef LAZY_DOT8
+#ifdef LAZY_AVX2
         for (; t0 + 8 <= n; t0 += 8) {  /* 8 keys at a time: a bit per key that some head weights */
             __m256 any = _mm256_setzero_ps();
             for (int64_t g = 0; g < groups; g++)
@@ -286,7 +289,7 @@ int lazy_decode_f32(
             rows[m] = v + lazy_row(table, table_stride, block_size, b, t, v_sblock, v_shead, v_stoken, h);
             m += any;
         }
-#ifdef LAZY_DOT8
+#ifdef LAZY_AVX2
         if (dim_v % 16 == 0) {  /* tiles of 64 rows (in L1) x 16 columns x up to 4 heads in registers */
             memset(acc, 0, groups * dim_v * sizeof(float));
             for (int64_t i0 = 0; i0 < m; i0 += 64) {
@@ -394,7 +397,7 @@ int lazy_decode_f32_packed(const int64_t *a, float scale) {
 """
 
 _FLAGS = ["-O3", "-march=native", "-fPIC", "-shared", "-fno-math-errno"]
-_LIBRARY: list = []  # [ctypes function or None] once built or refused
+_LIBRARY: list = []  # [the ctypes library, or None] once built or refused
 
 
 def _cpu_signature() -> str:

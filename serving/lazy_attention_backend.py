@@ -234,12 +234,9 @@ class LazyAttentionImpl(AttentionImpl[LazyServingMetadata]):
         key, value = key[:count], value[:count]
         kernel = cache_write_kernel() if kv_cache.dtype == key.dtype == value.dtype == torch.float32 else None
         if kernel is not None and key.stride(-1) == 1 and value.stride(-1) == 1:  # one C call, no index tensors
-            num_blocks, kv_heads, block_size, width = kv_cache.shape
             keys, values = _split_pages(kv_cache, self.head_size)
-            page = block_size * width
-            lazy_cache_write(kernel, key, value, slots.contiguous(), keys, values,
-                             (kv_heads * page, page, self.head_size), (kv_heads * page, page, width - self.head_size),
-                             block_size)
+            strides = _row_strides(kv_cache)
+            lazy_cache_write(kernel, key, value, slots.contiguous(), keys, values, strides, strides, kv_cache.shape[2])
             return
         valid = slots >= 0  # padded tokens carry -1
         if not bool(valid.all()):
@@ -277,7 +274,7 @@ class LazyAttentionImpl(AttentionImpl[LazyServingMetadata]):
         kernel = decode_kernel() if kv_cache.dtype == query.dtype == output.dtype == torch.float32 else None
         for group in attn_metadata.groups:
             if kernel is not None and group.query_length == 1 and isinstance(group.token_index, slice):
-                self._kernel_decode(kernel, group, query, keys, values, kv_cache.shape, output)
+                self._kernel_decode(kernel, group, query, keys, values, kv_cache, output)
                 continue
             key_length = group.metadata.key_length
             small = group.batch * self.num_heads * group.query_length * key_length <= _ONE_THREAD_MAX_ELEMENTS
@@ -295,19 +292,17 @@ class LazyAttentionImpl(AttentionImpl[LazyServingMetadata]):
                     output.index_copy_(0, group.token_index, out)
         return output
 
-    def _kernel_decode(self, kernel, group: LazyGroup, query, keys, values, cache_shape, output) -> None:
+    def _kernel_decode(self, kernel, group: LazyGroup, query, keys, values, kv_cache, output) -> None:
         """A decode group through the fused C kernel, which reads K and V through the block table in place and
         writes the output rows (no copy of the cache, one call per layer and step)."""
-        num_blocks, kv_heads, block_size, width = cache_shape
-        page, value_size = block_size * width, width - self.head_size
+        kv_heads, strides = kv_cache.shape[1], _row_strides(kv_cache)
         # one parallel region per layer (not a dozen ops): worth the caller's threads once there are enough tasks
         small = group.batch * kv_heads < 8 or group.batch * self.num_heads * group.metadata.key_length < (1 << 14)
         with _one_thread(small):
             lazy_decode_cpu(kernel, query[group.token_index], keys, values, self.tau, self.distance_bias, self.scale,
                             output[group.token_index], kv_heads, seq_lens=group.seq_lens,
-                            block_table=group.block_table, block_size=block_size,
-                            key_strides=(kv_heads * page, page, self.head_size),
-                            value_strides=(kv_heads * page, page, value_size))
+                            block_table=group.block_table, block_size=kv_cache.shape[2], key_strides=strides,
+                            value_strides=strides)
 
 
 def _split_pages(kv_cache: torch.Tensor, head_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -327,6 +322,13 @@ def _split_pages(kv_cache: torch.Tensor, head_size: int) -> tuple[torch.Tensor, 
     num_blocks, kv_heads, block_size, width = kv_cache.shape
     pages = kv_cache.view(num_blocks * kv_heads, block_size * width)
     return pages[:, : block_size * head_size], pages[:, block_size * head_size:]
+
+
+def _row_strides(kv_cache: torch.Tensor) -> tuple[int, int, int]:
+    """`(block, head, token)` element strides of a key row (and of a value row, from the values' start) in the
+    pages of `_split_pages`: what the C kernels read and write through."""
+    _, kv_heads, block_size, width = kv_cache.shape
+    return kv_heads * block_size * width, block_size * width, width // 2
 
 
 def _page_views(kv_cache: torch.Tensor, head_size: int) -> tuple[torch.Tensor, torch.Tensor]:
