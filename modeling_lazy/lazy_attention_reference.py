@@ -200,7 +200,9 @@ def lazy_attention_reference(query, key, value, tau, distance_bias, metadata: La
         dropout: probability of dropping a weight `a_ij` before `a @ V` (the survivors are scaled by
             `1 / (1 - dropout)`, as Llama's eager attention does with softmax weights); 0 in evaluation.
     Returns:
-        `(out [B, Tq, Hq, D] in the query dtype, weights [B, Hq, Tq, Tk] after the ReLU and dropout)`.
+        `(out [B, Tq, Hq, D] in the query dtype, weights [B, Hq, Tq, key.shape[2]] after the ReLU and
+        dropout)`: over every key handed in, as Llama's eager attention returns them, so a static cache's
+        weights span its whole buffer (`max_cache_len`), 0 on the slots past `metadata.key_length`.
     """
     groups = query.shape[1] // key.shape[1]
     dtype = compute_dtype(query)
@@ -219,6 +221,7 @@ def lazy_attention_reference(query, key, value, tau, distance_bias, metadata: La
     if dropout > 0:
         weights = torch.nn.functional.dropout(weights, p=dropout, training=True)
     out = torch.matmul(weights, v).to(query.dtype)
+    weights = torch.nn.functional.pad(weights, (0, key.shape[2] - k_len))  # unwritten cache slots: weight 0
     return out.transpose(1, 2).contiguous(), weights
 
 

@@ -9,6 +9,7 @@ The math and the attention backends are described in docs/design.md (in the Lazy
 The file only uses sibling imports, so it travels flat with a checkpoint (`trust_remote_code=True`).
 """
 
+import copy
 import os
 import shutil
 from collections.abc import Callable
@@ -174,6 +175,30 @@ class LazyLlamaAttention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=config.attention_bias)
         self.tau = nn.Parameter(torch.empty(self.num_heads, dtype=torch.float32))
         self.distance_bias = nn.Parameter(torch.empty(self.num_heads, config.lazy_bias_window, dtype=torch.float32))
+
+    def _apply(self, fn, recurse=True):
+        """`nn.Module._apply` (behind `.to()`, `.half()`, `.bfloat16()`, `.cuda()`...) keeping tau and
+        distance_bias (and their gradients) float32 when the rest of the layer is cast to a 16-bit float.
+
+        In bfloat16 most AdamW updates of size lr round away on values near 1, so the two parameters would stop
+        training; the kernels read them in float32 anyway. A cast to float64 (gradient checks) is followed.
+        The values are converted from the float32 originals, so nothing is rounded on the way.
+        """
+        originals = {}
+        for name in LAZY_PARAMETER_NAMES:
+            param = self._parameters.get(name)
+            if param is not None and param.dtype == torch.float32:
+                originals[id(param)] = param
+                if param.grad is not None:
+                    originals[id(param.grad)] = param.grad
+
+        def keep_float32(tensor):
+            converted = fn(tensor)
+            if id(tensor) in originals and converted.dtype in (torch.bfloat16, torch.float16):
+                return tensor.to(device=converted.device, dtype=torch.float32)
+            return converted
+
+        return super()._apply(keep_float32 if originals else fn, recurse)
 
     @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
     def forward(
@@ -536,6 +561,23 @@ class LazyLlamaForCausalLM(LazyLlamaPreTrainedModel, GenerationMixin):
             attentions=outputs.attentions,
             **{CACHE_FIELD: getattr(outputs, CACHE_FIELD)},
         )
+
+    def _valid_auto_compile_criteria(self, model_kwargs, generation_config) -> bool:
+        """`generate()`'s decision to compile its decode forward, where a `compile_config` the caller passes
+        also compiles on CPU.
+
+        transformers compiles on its own only on accelerators (cuda, xpu, ...) and on CPU only when the private
+        flag `compile_config._compile_all_devices` is set; a caller who hands `generate()` a `compile_config`
+        asks for compilation, so LazyLlama sets that flag for them (on a copy) unless it is set already.
+        Everything else (a static cache, `disable_compile`, quantizers, offloading) is transformers' rule.
+        """
+        compile_config = generation_config.compile_config
+        if compile_config is not None and getattr(compile_config, "_compile_all_devices", None) is None:
+            compile_config = copy.copy(compile_config)
+            compile_config._compile_all_devices = True
+            generation_config = copy.copy(generation_config)
+            generation_config.compile_config = compile_config
+        return super()._valid_auto_compile_criteria(model_kwargs, generation_config)
 
     def create_masks_for_generate(self, config, inputs_embeds, attention_mask, cache, **kwargs):
         """What `generate()` passes as `attention_mask` with a compilable (static) cache.

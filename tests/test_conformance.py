@@ -187,6 +187,22 @@ def test_generate_compiled_static_cache_is_one_graph(rng_seed):
     assert not torch._dynamo.utils.counters["graph_break"]
 
 
+def test_a_compile_config_compiles_on_cpu_without_private_flags(rng_seed):
+    """A plain `CompileConfig` passed to `generate()` compiles on CPU too (transformers alone compiles only on
+    accelerators unless its private `_compile_all_devices` is set), with the uncompiled tokens; the caller's
+    config is left untouched, and `disable_compile=True` still wins."""
+    model = tiny_model(num_hidden_layers=1)
+    ids, mask = left_padded([5, 3])
+    want = _greedy(model, ids, mask)
+    config = CompileConfig(fullgraph=True, dynamic=False, backend="aot_eager")
+    torch.compiler.reset()
+    off = _greedy(model, ids, mask, cache_implementation="static", compile_config=config, disable_compile=True)
+    assert torch.equal(off, want) and not hasattr(model, "_compiled_call")
+    got = _greedy(model, ids, mask, cache_implementation="static", compile_config=config)
+    assert torch.equal(got, want) and hasattr(model, "_compiled_call")
+    assert config._compile_all_devices is None  # the flag is set on a copy
+
+
 def test_compiled_forward_without_padding(rng_seed):
     """Without padding `generate()` drops the mask: the compiled decode then masks the unwritten slots by itself."""
     model = tiny_model(num_hidden_layers=1)
@@ -269,6 +285,52 @@ def _tensors(value):
     if isinstance(value, (tuple, list)):
         return [t for item in value for t in _tensors(item)]
     return []
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager-calls", "compiled-decode"])
+def test_static_cache_attention_weights_span_the_buffer_like_llama(compiled, rng_seed):
+    """Under a static cache, `generate(output_attentions=True)` returns weights over the cache's whole buffer,
+    `[B, H, q, max_cache_len]` as Llama's eager attention does (what transformers' Llama suite checks in
+    `test_generate_compilation_all_outputs`). A converted model (tau = 0, bias = 0) is Llama: its weights equal
+    Llama's, the unwritten slots included (0)."""
+    config = tiny_config(lazy_tau_init=0.0, lazy_bias_init_std=0.0)
+    llama = llama_twin(config).eval()
+    llama.set_attn_implementation("eager")
+    lazy = LazyLlamaForCausalLM(config).eval()
+    lazy.load_state_dict(llama.state_dict(), strict=False)
+    lazy.set_attn_implementation("eager")
+    ids, mask = left_padded([7, 4])
+    buffer = 13  # longer than the 7 + 3 tokens written
+    kwargs = dict(max_new_tokens=3, do_sample=False, pad_token_id=0, eos_token_id=None, output_attentions=True,
+                  return_dict_in_generate=True)
+    if compiled:
+        torch.compiler.reset()
+        kwargs["compile_config"] = CompileConfig(fullgraph=True, dynamic=False, backend="aot_eager")
+    got = lazy.generate(ids, attention_mask=mask, cache=StaticCache(config=config, max_cache_len=buffer), **kwargs)
+    if compiled:
+        assert hasattr(lazy, "_compiled_call")
+        kwargs.pop("compile_config")
+    want = llama.generate(ids, attention_mask=mask, cache=StaticCache(config=llama.config, max_cache_len=buffer),
+                          **kwargs)
+    assert torch.equal(got.sequences, want.sequences)
+    for step, (got_layers, want_layers) in enumerate(zip(got.attentions, want.attentions, strict=True)):
+        q_len = ids.shape[1] if step == 0 else 1
+        for a, b in zip(got_layers, want_layers, strict=True):
+            assert a.shape == b.shape == (2, 4, q_len, buffer), (step, a.shape, b.shape)
+            rows = mask.bool() if step == 0 else torch.ones(2, 1, dtype=torch.bool)  # Llama spreads padded rows
+            torch.testing.assert_close(a.transpose(1, 2)[rows], b.float().transpose(1, 2)[rows], atol=1e-5, rtol=1e-4)
+            written = ids.shape[1] + step
+            assert (a[..., written:] == 0).all()
+
+    # tau and bias that matter: the written slots equal a dynamic cache's weights, the rest are 0
+    randomize_lazy(lazy)
+    dynamic = lazy.generate(ids, attention_mask=mask, **kwargs)
+    static = lazy.generate(ids, attention_mask=mask, cache=StaticCache(config=config, max_cache_len=buffer), **kwargs)
+    for step, (s_layers, d_layers) in enumerate(zip(static.attentions, dynamic.attentions, strict=True)):
+        for a, b in zip(s_layers, d_layers, strict=True):
+            assert a.shape[-1] == buffer and b.shape[-1] == ids.shape[1] + step
+            torch.testing.assert_close(a[..., : b.shape[-1]], b, atol=1e-5, rtol=1e-4)
+            assert (a[..., b.shape[-1]:] == 0).all()
 
 
 @pytest.mark.parametrize("model_class", ALL_CLASSES, ids=lambda c: c.__name__)

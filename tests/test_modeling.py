@@ -4,7 +4,7 @@ import json
 
 import pytest
 import torch
-from conftest import tiny_config, tiny_model
+from conftest import randomize_lazy, tiny_config, tiny_model
 from reference64 import lazy_llama_logits64
 from transformers import AutoConfig, LlamaConfig, LlamaForCausalLM
 
@@ -53,6 +53,60 @@ def test_new_model_initialisation_follows_config():
         assert attn.tau.shape == (4,) and attn.distance_bias.shape == (4, 300)
         assert torch.all(attn.tau == -0.75)
         assert 0.01 < attn.distance_bias.std().item() < 0.03
+
+
+CASTS = {
+    "to(bfloat16)": lambda m: m.to(torch.bfloat16),
+    "to(dtype=float16)": lambda m: m.to(dtype=torch.float16),
+    "to(cpu, bfloat16)": lambda m: m.to("cpu", torch.bfloat16),
+    "half()": lambda m: m.half(),
+    "bfloat16()": lambda m: m.bfloat16(),
+}
+
+
+@pytest.mark.parametrize("cast", list(CASTS))
+def test_casting_to_16_bit_keeps_tau_and_bias_float32(cast, rng_seed):
+    """`.to()` / `.half()` / `.bfloat16()` cast every weight but tau and distance_bias (and their gradients),
+    which keep their float32 values bit for bit; the cast model runs and `.float()` / `.double()` still follow."""
+    model = tiny_model()
+    model(torch.randint(3, 97, (1, 9)), labels=torch.randint(3, 97, (1, 9))).loss.backward()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    target = torch.float16 if "16" in cast and "bfloat" not in cast or cast == "half()" else torch.bfloat16
+    assert CASTS[cast](model) is model
+    for name, param in model.named_parameters():
+        lazy = name.endswith(("self_attn.tau", "self_attn.distance_bias"))
+        assert param.dtype == (torch.float32 if lazy else target), name
+        assert param.grad.dtype == param.dtype, name
+        if lazy:
+            assert torch.equal(param, before[name]) and torch.equal(param.grad, grads[name]), name
+    ids = torch.randint(3, 97, (2, 7))
+    assert torch.isfinite(model(ids).logits.float()).all()
+    model.double()
+    assert {p.dtype for p in model.parameters()} == {torch.float64}
+    model.float()
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters() if n.endswith(".tau"))
+
+
+def test_adamw_in_bfloat16_moves_every_tau_and_bias_entry(rng_seed):
+    """A bfloat16 model (cast with `.to`) trains tau and distance_bias: 5 AdamW steps at lr 1e-4 move every entry
+    (in bfloat16 most of them would round back to where they were)."""
+    model = tiny_model(lazy_bias_window=6)
+    randomize_lazy(model, tau_scale=0.25)  # |tau| <= 0.5: no head is dead (an all-zero head has no gradient)
+    model.to(torch.bfloat16).train()
+    lazy = {n: p for n, p in model.named_parameters() if n.endswith(("self_attn.tau", "self_attn.distance_bias"))}
+    assert len(lazy) == 4 and all(p.dtype == torch.float32 for p in lazy.values())
+    start = {n: p.detach().clone() for n, p in lazy.items()}
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0)
+    ids = torch.randint(3, 97, (2, 16))  # longer than the window: every distance gets a gradient
+    for _ in range(5):
+        optimizer.zero_grad()
+        model(ids, labels=ids).loss.backward()
+        optimizer.step()
+    for name, param in lazy.items():
+        moved = param.detach() != start[name]
+        assert moved.all(), f"{name}: {int(moved.sum())} of {moved.numel()} entries moved (seed {rng_seed})"
 
 
 # ----------------------------------------------------------------------------- logits vs float64 reference

@@ -1,9 +1,11 @@
 """Training: a few Trainer steps lower the loss; gradient checkpointing gives the same gradients."""
 
 import torch
-from conftest import tiny_model
+from conftest import randomize_lazy, tiny_model
 from torch.utils.data import Dataset
 from transformers import Trainer, TrainingArguments
+
+from modeling_lazy.modeling_lazy import is_lazy_parameter
 
 
 class RepeatingDataset(Dataset):
@@ -53,3 +55,27 @@ def test_gradient_checkpointing_gives_the_same_gradients(rng_seed):
     assert model.is_gradient_checkpointing
     for name, g in grads[0].items():
         torch.testing.assert_close(grads[1][name], g, atol=1e-6, rtol=1e-5, msg=name)
+
+
+def test_trainer_bf16_keeps_tau_and_bias_float32_and_trains_every_entry(tmp_path, rng_seed):
+    """`Trainer(bf16=True, bf16_full_eval=True)` on a model cast to bfloat16 (Trainer casts it again for the
+    full-bf16 evaluation): tau and distance_bias stay float32 and every entry moves."""
+    model = tiny_model(lazy_bias_window=6)
+    randomize_lazy(model, tau_scale=0.25)  # no dead head (an all-zero head has no gradient)
+    model.to(torch.bfloat16).train()
+    lazy = {n: p for n, p in model.named_parameters() if is_lazy_parameter(n)}
+    start = {n: p.detach().clone() for n, p in lazy.items()}
+    data = RepeatingDataset(rows=8, length=16)
+    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=4, learning_rate=1e-4,
+                             save_strategy="no", report_to=[], use_cpu=True, disable_tqdm=True, bf16=True,
+                             bf16_full_eval=True)
+    trainer = Trainer(model=model, args=args, train_dataset=data, eval_dataset=data)
+    trainer.evaluate()
+    trainer.train()
+    trainer.evaluate()
+    assert model.model.layers[0].mlp.up_proj.weight.dtype == torch.bfloat16
+    for name, param in model.named_parameters():
+        if is_lazy_parameter(name):
+            assert param.dtype == torch.float32, name
+            moved = param.detach() != start[name]
+            assert moved.all(), f"{name}: {int(moved.sum())} of {moved.numel()} entries moved (seed {rng_seed})"
