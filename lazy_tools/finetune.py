@@ -24,7 +24,9 @@ train across the boundary that attention hides.
 
 Parameters: `tau` and `distance_bias` never get weight decay and may get their own learning rate
 (`lazy_lr_multiplier`). Modes: `full` trains everything; `lazy-only` trains only `tau` and `distance_bias`;
-`lora` adds PEFT LoRA adapters (the base model, `tau` and `distance_bias` included, stays frozen).
+`lora` adds PEFT LoRA adapters on a frozen base model and trains `tau` and `distance_bias` beside them (unless
+`lora_train_lazy=False`); they are saved in the adapter file, so `PeftModel.from_pretrained(base, out)` restores
+both (`save_lora_adapter` does the same outside `LazyTrainer`).
 """
 
 import math
@@ -76,13 +78,14 @@ def load_model(path: str, tau_init: float = 0.0, bias_init_std: float = 0.0, dty
 
 
 def configure_trainable(model, mode: str = "full", lora_r: int = 8, lora_alpha: int = 16, lora_dropout: float = 0.0,
-                        lora_target_modules: list[str] | None = None):
+                        lora_target_modules: list[str] | None = None, lora_train_lazy: bool = True):
     """Set what trains. Returns the model to train (a `peft.PeftModel` for `mode="lora"`).
 
     - `full`: every parameter.
     - `lazy-only`: only `tau` and `distance_bias`; everything else is frozen (`requires_grad=False`).
-    - `lora`: LoRA adapters on `lora_target_modules` (default q/k/v/o projections) through PEFT; the base model,
-      `tau` and `distance_bias` included, is frozen (PEFT saves adapters only).
+    - `lora`: LoRA adapters on `lora_target_modules` (default q/k/v/o projections) through PEFT, on a frozen base
+      model; `tau` and `distance_bias` train beside the adapters unless `lora_train_lazy=False`. Save with
+      `save_lora_adapter` (or `LazyTrainer`, which does): PEFT alone saves the adapters only.
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -91,13 +94,61 @@ def configure_trainable(model, mode: str = "full", lora_r: int = 8, lora_alpha: 
 
         config = LoraConfig(r=lora_r, lora_alpha=lora_alpha, lora_dropout=lora_dropout, task_type="CAUSAL_LM",
                             target_modules=list(lora_target_modules or DEFAULT_LORA_TARGETS))
-        return get_peft_model(model, config)
+        model = get_peft_model(model, config)
+        if lora_train_lazy:  # PEFT's `modules_to_save` names modules: it cannot reach these two parameters
+            for name, param in model.named_parameters():
+                if is_lazy_parameter(name):
+                    param.requires_grad_(True)
+        return model
     for name, param in model.named_parameters():
         param.requires_grad_(mode == "full" or is_lazy_parameter(name))
     if mode == "lazy-only":
         # With everything before the first attention frozen, checkpointed layers would see inputs without grad.
         model.enable_input_require_grads()
     return model
+
+
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+
+
+def trained_lazy_parameters(model) -> dict[str, torch.Tensor]:
+    """The `tau` and `distance_bias` of a PEFT model that train beside its adapters, by PEFT state-dict name
+    (`base_model.model.model.layers.0.self_attn.tau`, ...), float32 on CPU; empty when they are frozen."""
+    return {name: param.detach().float().cpu().contiguous() for name, param in model.named_parameters()
+            if is_lazy_parameter(name) and param.requires_grad}
+
+
+def add_lazy_parameters_to_adapter(model, folder) -> int:
+    """Write the trained `tau`/`distance_bias` of PEFT `model` into the adapter file PEFT saved in `folder`.
+
+    PEFT saves only adapter weights (and `modules_to_save` modules; these are parameters, not modules), so an
+    adapter-only folder would reload with the base model's tau and bias. Stored in `adapter_model.safetensors`
+    under their PEFT names, they are set back by `PeftModel.from_pretrained(base, folder)` (PEFT loads every key
+    of the file into the model), which also restores them when Trainer resumes from a checkpoint. Returns how many
+    tensors were added (0 when tau and bias are frozen).
+    """
+    from safetensors.torch import load_file, save_file
+
+    lazy = trained_lazy_parameters(model)
+    if not lazy:
+        return 0
+    path = os.path.join(folder, ADAPTER_WEIGHTS)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{path}: no PEFT adapter file to add tau and distance_bias to (save the adapter with "
+                                "safe_serialization=True first)")
+    tensors = load_file(path)
+    tensors.update(lazy)
+    tmp = path + ".tmp"
+    save_file(tensors, tmp, metadata={"format": "pt"})
+    os.replace(tmp, path)
+    return len(lazy)
+
+
+def save_lora_adapter(model, folder) -> None:
+    """`model.save_pretrained(folder)` for a PEFT model, plus its trained `tau`/`distance_bias` in the adapter
+    file: `PeftModel.from_pretrained(fresh_base, folder)` then reproduces the trained model."""
+    model.save_pretrained(folder)
+    add_lazy_parameters_to_adapter(model, folder)
 
 
 # ---------------------------------------------------------------------------------------------- data
@@ -186,6 +237,12 @@ class LazyTrainer(Trainer):
     def __init__(self, *args, lazy_lr_multiplier: float = 1.0, **kwargs):
         super().__init__(*args, **kwargs)
         self.lazy_lr_multiplier = lazy_lr_multiplier
+
+    def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
+        """Trainer's save (final model and checkpoints); a PEFT model's trained tau/bias go into its adapter file."""
+        super()._save(output_dir, state_dict=state_dict)
+        if hasattr(self.model, "peft_config"):
+            add_lazy_parameters_to_adapter(self.model, output_dir if output_dir is not None else self.args.output_dir)
 
     def get_decay_parameter_names(self, model) -> list[str]:
         return [name for name in super().get_decay_parameter_names(model) if not is_lazy_parameter(name)]
@@ -339,6 +396,8 @@ class FinetuneArguments:
     lora_dropout: float = field(default=0.0, metadata={"help": "LoRA dropout (mode lora)."})
     lora_target_modules: list[str] = field(default_factory=lambda: list(DEFAULT_LORA_TARGETS),
                                            metadata={"help": "Modules that get LoRA adapters (mode lora)."})
+    lora_train_lazy: bool = field(default=True, metadata={"help": "Train tau/distance_bias beside the LoRA adapters "
+                                                                  "and save them in the adapter file (mode lora)."})
     stats_tokens: int = field(default=256, metadata={"help": "Probe length of the attention-statistics callback."})
     stats_every_n_logs: int = field(default=1, metadata={"help": "Attention statistics every N training logs."})
     auto_bf16: bool = field(default=True, metadata={"help": "Train in bf16 on CUDA GPUs that support it."})
@@ -427,7 +486,7 @@ def finetune(args: FinetuneArguments, training_args: TrainingArguments) -> LazyT
         evaluation = evaluation.select(range(min(args.max_eval_blocks, len(evaluation))))
 
     model = configure_trainable(model, args.mode, args.lora_r, args.lora_alpha, args.lora_dropout,
-                                args.lora_target_modules)
+                                args.lora_target_modules, args.lora_train_lazy)
     probe = probe_from_blocks(evaluation if evaluation is not None else train, args.stats_tokens)
     trainer = build_trainer(model, training_args, train, evaluation, args.lazy_lr_multiplier, probe,
                             args.stats_every_n_logs)

@@ -147,23 +147,45 @@ def test_resume_continues_from_saved_step(workspace, tmp_path):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
 
 
-def test_peft_lora_run(workspace, tmp_path):
-    pytest.importorskip("peft")
-    model = configure_trainable(fresh_model(workspace), "lora", lora_r=4, lora_alpha=8)
+@pytest.mark.parametrize("train_lazy", [True, False], ids=["lora+tau/bias", "lora-only"])
+def test_peft_lora_run(workspace, tmp_path, train_lazy):
+    """LoRA mode trains the adapters and (by default) tau/distance_bias beside them, nothing else; the saved
+    adapter loaded with plain `PeftModel.from_pretrained` on a fresh base reproduces the trained model's logits
+    (an adapter saved by PEFT alone would lose tau and bias: checked, so the comparison can fail)."""
+    peft = pytest.importorskip("peft")
+    model = configure_trainable(fresh_model(workspace), "lora", lora_r=4, lora_alpha=8, lora_train_lazy=train_lazy)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    trainer = build_trainer(model, training_args(tmp_path, max_steps=4, learning_rate=1e-2), workspace["train"])
+    args = training_args(tmp_path / "out", max_steps=4, learning_rate=1e-2, save_strategy="steps", save_steps=4)
+    trainer = build_trainer(model, args, workspace["train"])
     trainer.train()
     trained = {n for n, p in model.named_parameters() if p.requires_grad}
-    assert trained and all("lora_" in n for n in trained)
+    assert {n for n in trained if "lora_" not in n} == ({n for n in before if is_lazy_parameter(n)} if train_lazy
+                                                          else set())
     for name, param in model.named_parameters():
-        if name in trained and "lora_B" in name:  # lora_B starts at 0; it must move
+        if name in trained and ("lora_B" in name or is_lazy_parameter(name)):  # lora_B starts at 0; both must move
             assert not torch.equal(param, before[name]), f"{name} did not train"
         elif name not in trained:
             assert torch.equal(param, before[name]), f"frozen {name} changed"
     assert all(e["loss"] == e["loss"] for e in trainer.state.log_history if "loss" in e)  # finite, not NaN
     assert "lazy/sparsity" in next(e for e in trainer.state.log_history if "loss" in e)
     trainer.save_model()
-    assert (tmp_path / "adapter_config.json").is_file()
+    out = tmp_path / "out"
+    assert (out / "adapter_config.json").is_file()
+    stored = load_file(out / finetune.ADAPTER_WEIGHTS)
+    lazy_keys = {k for k in stored if is_lazy_parameter(k)}
+    assert len(lazy_keys) == (4 if train_lazy else 0)
+    assert lazy_keys <= set(load_file(out / "checkpoint-4" / finetune.ADAPTER_WEIGHTS))  # checkpoints carry them
+
+    ids = torch.tensor(workspace["train"][0]["input_ids"])[None, :32]
+    model.eval()
+    with torch.no_grad():
+        want = model(ids).logits
+        reloaded = peft.PeftModel.from_pretrained(fresh_model(workspace), str(out)).eval()
+        torch.testing.assert_close(reloaded(ids).logits, want, atol=1e-5, rtol=1e-5)
+        if train_lazy:  # what PEFT's own save gives: the base's tau and bias, other logits
+            model.save_pretrained(tmp_path / "plain")
+            plain = peft.PeftModel.from_pretrained(fresh_model(workspace), str(tmp_path / "plain")).eval()
+            assert (plain(ids).logits - want).abs().max() > 1e-3
 
 
 def _cli(workspace, output_dir, batch_per_device):
