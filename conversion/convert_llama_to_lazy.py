@@ -1,7 +1,8 @@
 """Convert a vanilla Llama checkpoint into a LazyLlama checkpoint.
 
-    python -m conversion.convert_llama_to_lazy SRC OUT [--tau-init 0.0] [--bias-window 1024]
+    lazy-convert SRC OUT [--tau-init 0.0] [--bias-window 1024]
         [--bias-init-std 0.0] [--dtype auto] [--max-shard-size 2GB] [--verify] [--overwrite]
+    (or python -m conversion.convert_llama_to_lazy ...)
 
 SRC is a Hugging Face Llama folder (`model.safetensors`, sharded safetensors with an index, or
 `pytorch_model*.bin`, read only through `torch.load(weights_only=True)`) or a Llama-architecture GGUF file.
@@ -22,7 +23,6 @@ while OUT is being replaced waits until the swap is done, and the message says w
 SIGKILL can leave the temporary folder: the next run into the same OUT removes it.
 """
 
-import argparse
 import contextlib
 import errno
 import json
@@ -50,6 +50,7 @@ from conversion.checkpoint_files import (
     WEIGHTS_INDEX,
 )
 from conversion.model_card import write_model_card
+from lazy_tools.cli import DEFAULT_BIAS_WINDOW, VERIFY_TOLERANCE, convert_parser
 from lazy_tools.folders import (
     FolderBusy,
     deferred_signals,
@@ -60,7 +61,7 @@ from lazy_tools.folders import (
     temporary_folder,
     terminations_as_interrupts,
 )
-from lazy_tools.loading import DTYPES, at_least, positive_int, without_gguf_quantization
+from lazy_tools.loading import DTYPES, without_gguf_quantization
 from modeling_lazy.modeling_lazy import (
     AUTO_MAP,
     LazyLlamaForCausalLM,
@@ -75,8 +76,6 @@ VERIFY_PROMPT = (
     "The capital of France is Paris. Lazy attention lets a head ignore tokens it does not need, "
     "so the first token no longer has to act as a sink."
 )
-VERIFY_TOLERANCE = 1e-4
-DEFAULT_BIAS_WINDOW = 1024
 SPACE_MARGIN = 1 << 20  # bytes beyond the weights and the tokenizer: config, code, card
 
 
@@ -732,10 +731,12 @@ def verify_conversion(
         input_ids = tokenizer(VERIFY_PROMPT, return_tensors="pt").input_ids
     except Exception:  # no tokenizer: fixed token ids
         input_ids = (torch.arange(1, 33) * 7919 % reference.config.vocab_size)[None]
+    log(f"  verifying: source logits on {input_ids.shape[1]} tokens ...")
     expected = reference(input_ids=input_ids).logits
     del reference
     log("  verifying: loading the converted LazyLlama ...")
     lazy = LazyLlamaForCausalLM.from_pretrained(str(converted), dtype=dtype).to(torch.float32).eval()
+    log(f"  verifying: LazyLlama logits on {input_ids.shape[1]} tokens ...")
     diff = (lazy(input_ids=input_ids).logits - expected).abs().max().item()
     attention = lazy_attention_modules(lazy)
     if not all(bool((m.tau == 0).all() and (m.distance_bias == 0).all()) for m in attention):
@@ -756,32 +757,14 @@ def verify_conversion(
 # ----------------------------------------------------------------------------------------------------------
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="lazy-convert",
-        description="Convert a Llama checkpoint (HF folder or GGUF file) into a LazyLlama checkpoint.",
-    )
-    parser.add_argument("source", metavar="SRC", help="Hugging Face Llama folder or Llama .gguf file")
-    parser.add_argument("output", metavar="OUT", help="folder to create")
-    parser.add_argument("--tau-init", type=float, default=0.0, help="Elastic-Softmax tau of every head (0: exact)")
-    parser.add_argument("--bias-window", type=positive_int,
-                        help=f"distances with a learnable bias (W), at most max_position_embeddings "
-                             f"(default: {DEFAULT_BIAS_WINDOW}, or max_position_embeddings if smaller)")
-    parser.add_argument("--bias-init-std", type=float, default=0.0, help="std of the initial distance bias (0: exact)")
-    parser.add_argument("--dtype", default="auto", choices=["auto", *DTYPES], help="weight dtype (auto: the source's)")
-    parser.add_argument("--max-shard-size", default="2GB", help="largest output shard, e.g. 2GB, 500MB")
-    parser.add_argument("--verify", action="store_true", help="compare logits with the source; fail above tolerance")
-    parser.add_argument("--verify-tolerance", type=at_least(0.0, float), default=VERIFY_TOLERANCE,
-                        help="max abs logit difference (a finite number >= 0)")
-    parser.add_argument("--overwrite", action="store_true", help="replace a non-empty OUT that holds a model")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the distance-bias initialisation")
-    parser.add_argument("--base-model", help="Hub id of the source, for the model card")
-    parser.add_argument("--license", help="license of the weights, for the model card")
-    return parser
-
-
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    """`python -m conversion.convert_llama_to_lazy`: the `lazy-convert` command (`lazy_tools.cli.lazy_convert`
+    parses the same arguments before importing torch)."""
+    return run(convert_parser().parse_args(argv))
+
+
+def run(args) -> int:
+    """Convert as the parsed `lazy-convert` arguments say; returns the exit status."""
     summary = None
     try:
         with terminations_as_interrupts():  # clean up on SIGTERM and SIGHUP as on Ctrl-C

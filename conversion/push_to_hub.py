@@ -17,7 +17,6 @@ so after any failure (or Ctrl-C) the same command can simply be run again; files
 unchanged are not uploaded twice.
 """
 
-import argparse
 import ast
 import fnmatch
 import json
@@ -43,7 +42,7 @@ from conversion.checkpoint_files import (
     WEIGHTS_INDEX,
 )
 from conversion.model_card import card_for_push, load_statistics
-from lazy_tools.loading import at_least
+from lazy_tools.cli import PUSH_COMMIT_MESSAGE, PUSH_RETRIES, PUSH_TIMEOUT, push_parser
 from modeling_lazy.modeling_lazy import LAZY_PARAMETER_NAMES
 
 try:  # the HTTP client huggingface_hub uses (httpx2 in huggingface_hub >= 2, httpx before)
@@ -55,12 +54,12 @@ except ImportError:
 
 NETWORK_ERRORS = (OSError, TransportError)  # connection refused, DNS, reset, timeout
 RETRIED_STATUSES = (429, 502, 503, 504)  # rate limit and gateway trouble pass; a 500 is reported at once
-DEFAULT_TIMEOUT = 60.0  # seconds without an answer before a request gives up
-DEFAULT_RETRIES = 2
+DEFAULT_TIMEOUT = PUSH_TIMEOUT  # seconds without an answer before a request gives up
+DEFAULT_RETRIES = PUSH_RETRIES
 MAX_WAIT = 60.0  # longest pause between attempts, even if the server asks for more
 
 AUTO_CLASSES = ("AutoConfig", "AutoModel", "AutoModelForCausalLM")
-DEFAULT_COMMIT_MESSAGE = "Upload LazyLlama checkpoint (lazy-push)"
+DEFAULT_COMMIT_MESSAGE = PUSH_COMMIT_MESSAGE
 _NEVER_UPLOADED = (".git", "__pycache__")  # not even with --include
 _RELATIVE_IMPORT = re.compile(r"^\s*from\s+\.(\w+)\s+import", flags=re.MULTILINE)  # what transformers follows
 
@@ -419,30 +418,13 @@ def _summarise(paths: list[str], shown: int = 6) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="lazy-push",
-        description="Publish a LazyLlama folder to the Hugging Face Hub in one commit, "
-                    "with its code files and a model card.",
-    )
-    parser.add_argument("folder", help="folder written by the converter or by save_pretrained")
-    parser.add_argument("repo_id", help="target repository, 'namespace/name' (created if missing)")
-    parser.add_argument("--private", action="store_true",
-                        help="create the repository private (an existing one keeps its visibility)")
-    parser.add_argument("--revision", help="branch to commit to (created from main if missing); default main")
-    parser.add_argument("--commit-message", help=f"default: {DEFAULT_COMMIT_MESSAGE!r}")
-    parser.add_argument("--create-pr", action="store_true",
-                        help="open a pull request instead of committing to the branch")
-    parser.add_argument("--token", help="Hub token; default: HF_TOKEN, then the `hf auth login` cache")
-    parser.add_argument("--stats", help="JSON file of measured attention statistics for the model card "
-                                        "(default: DIR/attention_stats.json if present)")
-    parser.add_argument("--include", action="append", default=[], metavar="PATTERN",
-                        help="also upload the files matching this glob pattern, relative to DIR (repeatable); by "
-                             "default only the model's files are uploaded")
-    parser.add_argument("--timeout", type=at_least(0.0, float, strictly=True), default=DEFAULT_TIMEOUT,
-                        help="seconds without an answer before a request gives up (default: %(default)g)")
-    parser.add_argument("--retries", type=at_least(0), default=DEFAULT_RETRIES,
-                        help="retries after a time-out, a lost connection, 429 or 502/503/504 (default: %(default)s)")
-    args = parser.parse_args(argv)
+    """`python -m conversion.push_to_hub`: the `lazy-push` command (`lazy_tools.cli.lazy_push` parses the same
+    arguments before importing the Hub client)."""
+    return run(push_parser().parse_args(argv))
+
+
+def run(args) -> int:
+    """Publish as the parsed `lazy-push` arguments say; returns the exit status."""
     try:
         stats = load_statistics(args.stats) if args.stats else None
         result = push_to_hub(

@@ -71,13 +71,13 @@ def main(argv=None) -> None:
     del model
 
     command = [
-        "--model_name_or_path", str(llama_dir), "--train_file", str(train_file), "--output_dir", str(out / "run"),
-        "--mode", "lazy-only", "--block_size", "256", "--per_device_train_batch_size", "2",
-        "--max_steps", str(args.max_steps), "--learning_rate", "1e-3", "--lazy_lr_multiplier", "20",
-        "--lr_scheduler_type", "constant_with_warmup", "--warmup_steps", "5", "--weight_decay", "0.1",
-        "--logging_steps", "5", "--stats_every_n_logs", "4", "--stats_tokens", "128", "--save_strategy", "no",
-        "--report_to", "none",
-        "--seed", "0", "--disable_tqdm", "true", "--dataloader_num_workers", "0",
+        str(llama_dir), "--train-file", str(train_file), "--output-dir", str(out / "run"),
+        "--mode", "lazy-only", "--block-size", "256", "--per-device-train-batch-size", "2",
+        "--max-steps", str(args.max_steps), "--learning-rate", "1e-3", "--lazy-lr-multiplier", "20",
+        "--lr-scheduler-type", "constant_with_warmup", "--warmup-steps", "5", "--weight-decay", "0.1",
+        "--logging-steps", "5", "--stats-every-n-logs", "4", "--stats-tokens", "128", "--save-strategy", "no",
+        "--report-to", "none",
+        "--seed", "0", "--disable-tqdm", "true", "--dataloader-num-workers", "0",
     ] + extra
     print("lazy-finetune " + " ".join(command), flush=True)
     start = time.time()

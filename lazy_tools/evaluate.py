@@ -8,21 +8,13 @@ first), so every token after the first is scored exactly once with up to `contex
 tokenizer) the same tokens are scored by both. Benchmarks: see the README (lm-evaluation-harness `HFLM`).
 """
 
-import argparse
 import json
 from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from lazy_tools.loading import (
-    DTYPES,
-    check_same_vocabulary,
-    device_argument,
-    load_causal_lm,
-    load_tokenizer,
-    positive_int,
-    read_token_ids,
-)
+from lazy_tools.cli import evaluate_parser
+from lazy_tools.loading import check_same_vocabulary, load_causal_lm, load_tokenizer, read_token_ids
 from lazy_tools.metrics import perplexity
 
 
@@ -37,27 +29,14 @@ def evaluate_perplexity(model, token_ids, context: int, stride: int | None, name
     return {"model": name, **result}
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="lazy-evaluate",
-                                     description="Sliding-window perplexity of a LazyLlama checkpoint on a text file.")
-    parser.add_argument("model", help="LazyLlama folder or Hub id (converted or trained)")
-    parser.add_argument("--text", required=True, help="UTF-8 text file to score")
-    parser.add_argument("--context", type=positive_int, default=512, help="tokens per window (default: %(default)s)")
-    parser.add_argument("--stride", type=positive_int, help="tokens between window starts, 1..context; capped at "
-                        "context - 1 so that windows overlap by a token (default: context - 1)")
-    parser.add_argument("--max-tokens", type=positive_int, help="score only the first N tokens of the text")
-    parser.add_argument("--baseline", help="also score a vanilla Llama or LazyLlama with the same tokenizer")
-    parser.add_argument("--tokenizer", help="tokenizer folder (default: MODEL's)")
-    parser.add_argument("--json", help="also write the results to this JSON file")
-    parser.add_argument("--device", default="auto", type=device_argument,
-                        help="auto (CUDA if available), cpu, cuda, cuda:1, ...")
-    parser.add_argument("--dtype", default="float32", choices=list(DTYPES), help="weights dtype (default: %(default)s)")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
-    return parser
-
-
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    """`python -m lazy_tools.evaluate`: the `lazy-evaluate` command (`lazy_tools.cli.lazy_evaluate` parses the same
+    arguments before importing torch)."""
+    return run(evaluate_parser().parse_args(argv))
+
+
+def run(args) -> int:
+    """Evaluate as the parsed `lazy-evaluate` arguments say; returns the exit status."""
     try:
         if args.context < 2:
             raise ValueError(f"--context must be >= 2, got {args.context}")

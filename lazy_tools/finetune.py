@@ -1,10 +1,11 @@
 """Fine-tune a LazyLlama (or a Llama, converted on load) with `transformers.Trainer` and `datasets`.
 
-Command (every `transformers.TrainingArguments` option is accepted too, e.g. `--max_steps`, `--eval_strategy`,
-`--save_steps`, `--gradient_checkpointing`, `--resume_from_checkpoint last`):
+Command (every `transformers.TrainingArguments` option is accepted too, hyphenated, e.g. `--max-steps`,
+`--eval-strategy`, `--save-steps`, `--gradient-checkpointing`, `--resume-from-checkpoint last`; the underscore
+spellings still work and print a deprecation line):
 
-    lazy-finetune --model_name_or_path DIR --train_file train.txt --eval_file test.txt --output_dir out \
-        --mode lazy-only --lazy_lr_multiplier 10 --block_size 256 --max_steps 200
+    lazy-finetune DIR --train-file train.txt --eval-file test.txt --output-dir out \
+        --mode lazy-only --lazy-lr-multiplier 10 --block-size 256 --max-steps 200
 
 Python recipe (what `main` does):
 
@@ -32,20 +33,22 @@ both (`save_lora_adapter` does the same outside `LazyTrainer`).
 import math
 import os
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from transformers import Trainer, TrainerCallback, TrainingArguments
 from transformers.trainer import TRAINER_STATE_NAME
 
+from lazy_tools.cli import DEFAULT_LORA_TARGETS as LORA_TARGETS
+from lazy_tools.cli import FINETUNE_MODES
 from lazy_tools.data import pack_token_blocks
 from lazy_tools.folders import deferred_signals, terminations_as_interrupts
 from lazy_tools.loading import ModelNotFound, check_text_file, missing_model_explained, without_gguf_quantization
 from lazy_tools.metrics import attention_statistics
 from modeling_lazy import is_lazy_parameter
 
-MODES = ("full", "lazy-only", "lora")
-DEFAULT_LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
+MODES = FINETUNE_MODES
+DEFAULT_LORA_TARGETS = list(LORA_TARGETS)
 
 
 class FinetuneError(ValueError):
@@ -376,63 +379,52 @@ def build_trainer(model, training_args: TrainingArguments, train_dataset, eval_d
 # ------------------------------------------------------------------------------------------------ CLI
 
 
-@dataclass
-class FinetuneArguments:
-    """Options of `lazy-finetune` besides `transformers.TrainingArguments`."""
-
-    model_name_or_path: str = field(metadata={"help": "LazyLlama or Llama folder (a Llama converts on load)."})
-    train_file: list[str] = field(default_factory=list, metadata={"help": "Text or JSON-lines files."})
-    eval_file: list[str] = field(default_factory=list, metadata={"help": "Text or JSON-lines files."})
-    text_column: str = field(default="text", metadata={"help": "Document field of JSON-lines records."})
-    block_size: int = field(default=512, metadata={"help": "Tokens per packed block."})
-    max_train_blocks: int | None = field(default=None, metadata={"help": "Keep only the first N training blocks."})
-    max_eval_blocks: int | None = field(default=None, metadata={"help": "Keep only the first N evaluation blocks."})
-    mode: str = field(default="full", metadata={"help": "full | lazy-only | lora", "choices": list(MODES)})
-    lazy_lr_multiplier: float = field(default=1.0, metadata={"help": "Learning-rate factor for tau/distance_bias."})
-    tau_init: float = field(default=0.0, metadata={"help": "tau for a Llama input (0 = exact conversion)."})
-    bias_init_std: float = field(default=0.0, metadata={"help": "distance_bias std for a Llama input."})
-    lora_r: int = field(default=8, metadata={"help": "LoRA rank (mode lora)."})
-    lora_alpha: int = field(default=16, metadata={"help": "LoRA alpha (mode lora)."})
-    lora_dropout: float = field(default=0.0, metadata={"help": "LoRA dropout (mode lora)."})
-    lora_target_modules: list[str] = field(default_factory=lambda: list(DEFAULT_LORA_TARGETS),
-                                           metadata={"help": "Modules that get LoRA adapters (mode lora)."})
-    lora_train_lazy: bool = field(default=True, metadata={"help": "Train tau/distance_bias beside the LoRA adapters "
-                                                                  "and save them in the adapter file (mode lora)."})
-    stats_tokens: int = field(default=256, metadata={"help": "Probe length of the attention-statistics callback."})
-    stats_every_n_logs: int = field(default=1, metadata={"help": "Attention statistics every N training logs."})
-    auto_bf16: bool = field(default=True, metadata={"help": "Train in bf16 on CUDA GPUs that support it."})
-    fsdp_size: int = field(default=1, metadata={"help": "FSDP2: shard the model over N processes (torchrun "
-                                                        "--nproc_per_node N); 1 = replicated (DDP under torchrun)."})
-
-
 def parse_args(argv=None):
+    """`(args, training_args)` of a `lazy-finetune` command line: its own options (`lazy_tools.cli.parse_finetune`)
+    and `transformers.TrainingArguments` from the rest. With `--auto-bf16` (the default) a CUDA GPU with bf16 support
+    trains in bf16 mixed precision unless `--bf16`/`--fp16` is given."""
+
+    from lazy_tools.cli import parse_finetune
+
+    args, training_argv = parse_finetune(argv)
+    return args, training_arguments(args, training_argv)
+
+
+def training_arguments(args, training_argv: list[str]) -> TrainingArguments:
+    """`TrainingArguments` from the (hyphenated) options `lazy-finetune` does not know itself; exits with argparse's
+    one line on unknown or bad options. `args.help_training` prints their help and exits."""
     from transformers import HfArgumentParser
 
-    parser = HfArgumentParser((FinetuneArguments, TrainingArguments))
-    args, training_args = parser.parse_args_into_dataclasses(args=argv)
-    if not args.train_file:
-        parser.error("--train_file is required")
+    parser = HfArgumentParser(TrainingArguments, prog="lazy-finetune", usage="lazy-finetune MODEL --train-file FILE "
+                              "--output-dir DIR [TrainingArguments options]")
+    if args.help_training:
+        parser.print_help()
+        raise SystemExit(0)
+    training_args, unknown = parser.parse_args_into_dataclasses(args=training_argv, return_remaining_strings=True)
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)} (`lazy-finetune --help` and --help-training list "
+                     "the options)")
     if args.auto_bf16 and not (training_args.bf16 or training_args.fp16) and torch.cuda.is_available() \
             and torch.cuda.is_bf16_supported():
         training_args.bf16 = True
-    return args, training_args
+    return training_args
 
 
-def check_data_and_resume(args: FinetuneArguments, training_args: TrainingArguments) -> None:
+def check_data_and_resume(args, training_args: TrainingArguments) -> None:
     """What can be refused before the model loads: the data files (missing, empty, blank, not UTF-8), a
-    `--block_size` below 2, a `--resume_from_checkpoint` folder that does not exist. `FinetuneError`."""
-    for role, files in (("--train_file", args.train_file), ("--eval_file", args.eval_file)):
+    `--block-size` below 2, a `--resume-from-checkpoint` folder that does not exist. `FinetuneError`."""
+    for role, files in (("--train-file", args.train_file), ("--eval-file", args.eval_file)):
         for path in files:
             try:
                 check_text_file(path, what=role)
             except (OSError, ValueError) as error:
                 raise FinetuneError(str(error)) from None
     if args.block_size < 2:
-        raise FinetuneError(f"--block_size must be at least 2 (a token and its successor), got {args.block_size}")
+        raise FinetuneError(f"--block-size must be at least 2 (a token and its successor), got {args.block_size}")
     resume = training_args.resume_from_checkpoint
     if resume is not None and resume.lower() not in ("last", "true") and not os.path.isdir(resume):
-        raise FinetuneError(f"--resume_from_checkpoint {resume}: no such checkpoint folder (give a checkpoint-N "
-                            "folder, or `last` for the newest one in --output_dir)")
+        raise FinetuneError(f"--resume-from-checkpoint {resume}: no such checkpoint folder (give a checkpoint-N "
+                            "folder, or `last` for the newest one in --output-dir)")
 
 
 def newest_complete_checkpoint(output_dir: str) -> tuple[str | None, list[str]]:
@@ -459,11 +451,11 @@ def newest_complete_checkpoint(output_dir: str) -> tuple[str | None, list[str]]:
 def check_block_size(block_size: int, config) -> None:
     """A block must fit the model's positions (`max_position_embeddings`)."""
     if block_size > config.max_position_embeddings:
-        raise FinetuneError(f"--block_size {block_size} is more than the model's max_position_embeddings "
+        raise FinetuneError(f"--block-size {block_size} is more than the model's max_position_embeddings "
                             f"({config.max_position_embeddings}): use at most {config.max_position_embeddings}")
 
 
-def finetune(args: FinetuneArguments, training_args: TrainingArguments) -> LazyTrainer:
+def finetune(args, training_args: TrainingArguments) -> LazyTrainer:
     """Everything `lazy-finetune` does: check the input, load, pack, train (resuming if asked), save, evaluate.
     Returns the trainer; `FinetuneError` for input it cannot train on (before any tokenising)."""
     check_data_and_resume(args, training_args)
@@ -472,7 +464,7 @@ def finetune(args: FinetuneArguments, training_args: TrainingArguments) -> LazyT
         from transformers.distributed import DistributedConfig
 
         distributed_config = DistributedConfig(fsdp_size=args.fsdp_size)
-    model, tokenizer = load_model(args.model_name_or_path, args.tau_init, args.bias_init_std,
+    model, tokenizer = load_model(args.model, args.tau_init, args.bias_init_std,
                                   distributed_config=distributed_config)
     check_block_size(args.block_size, model.config)
     with training_args.main_process_first(desc="tokenising and packing"):
@@ -505,17 +497,31 @@ def finetune(args: FinetuneArguments, training_args: TrainingArguments) -> LazyT
         if trainer.is_world_process_zero():
             tokenizer.save_pretrained(training_args.output_dir)
     if evaluation is not None:
-        trainer.evaluate()
+        if trainer.is_world_process_zero():
+            print(f"lazy-finetune: final evaluation on {len(evaluation)} blocks of {args.block_size} tokens ...",
+                  file=sys.stderr, flush=True)
+        metrics = trainer.evaluate()
         trainer.save_state()
+        if trainer.is_world_process_zero() and "eval_loss" in metrics:
+            print(f"lazy-finetune: eval_loss {metrics['eval_loss']:.4f}, perplexity "
+                  f"{math.exp(min(metrics['eval_loss'], 50.0)):.2f}", file=sys.stderr, flush=True)
     return trainer
 
 
 def main(argv=None) -> None:
-    """Console script `lazy-finetune`: see the module docstring (`lazy-finetune --help` lists every option)."""
+    """`python -m lazy_tools.finetune`: the `lazy-finetune` command (`lazy_tools.cli.lazy_finetune` parses its own
+    options before importing torch). See the module docstring; `--help` lists every option."""
+    from lazy_tools.cli import parse_finetune
+
+    run(*parse_finetune(argv))
+
+
+def run(args, training_argv: list[str]) -> None:
+    """Fine-tune as the parsed `lazy-finetune` options and the TrainingArguments command line say."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     import modeling_lazy  # noqa: F401  (registers LazyLlama with the Auto classes)
 
-    args, training_args = parse_args(argv)
+    training_args = training_arguments(args, training_argv)
     try:
         with terminations_as_interrupts():  # SIGTERM and SIGHUP stop the run as Ctrl-C does
             finetune(args, training_args)
@@ -523,7 +529,7 @@ def main(argv=None) -> None:
         raise SystemExit(f"lazy-finetune: error: {error}") from None
     except KeyboardInterrupt:
         checkpoint, _ = newest_complete_checkpoint(training_args.output_dir)
-        where = (f"the newest complete checkpoint is {checkpoint}: continue with --resume_from_checkpoint last"
+        where = (f"the newest complete checkpoint is {checkpoint}: continue with --resume-from-checkpoint last"
                  if checkpoint else "no checkpoint was saved")
         print(f"lazy-finetune: interrupted; {where}.", file=sys.stderr)
         raise SystemExit(130) from None

@@ -15,29 +15,21 @@ The baseline is a vanilla Llama or another LazyLlama with the same tokenizer, or
 itself with every tau set to 0 (distance bias kept). The JSON layout is `inspect_report.schema.json`.
 """
 
-import argparse
 import json
 import math
+import sys
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import torch
 
-from lazy_tools.loading import (
-    DTYPES,
-    check_same_vocabulary,
-    device_argument,
-    load_causal_lm,
-    load_tokenizer,
-    positive_int,
-    read_token_ids,
-)
+from lazy_tools.cli import TAU_ZERO, inspect_parser
+from lazy_tools.loading import check_same_vocabulary, load_causal_lm, load_tokenizer, read_token_ids
 from lazy_tools.metrics import TILE, attention_statistics, attention_weights
 from modeling_lazy import lazy_attention_modules
 
 SCHEMA_VERSION = 1
 SCHEMA_FILE = Path(__file__).with_name("inspect_report.schema.json")
-TAU_ZERO = "tau=0"
 STATISTICS = ("sparsity", "tile_density", "sink", "surviving_mass", "tau")
 PLOTS = {
     "statistics": "statistics.png",
@@ -81,17 +73,22 @@ def _describe(model, name: str) -> dict:
 
 
 @torch.no_grad()
-def measure(model, name: str, text_ids: torch.Tensor, repeated_ids: torch.Tensor, map_tokens: int, tile: int = TILE):
+def measure(model, name: str, text_ids: torch.Tensor, repeated_ids: torch.Tensor, map_tokens: int, tile: int = TILE,
+            log=None):
     """Everything the report and the plots need about one model.
 
     text_ids `[windows, T]` and repeated_ids `[1, R]` int64 on the model's device. Returns `(entry, views)`:
     `entry` is the model's part of the JSON report; `views` holds the arrays for the plots (float32, CPU):
     `bias` (per layer `[H, W]`, or None for a vanilla Llama), `tau` `[L, H]`, `text_maps` and `repeated_maps`
-    (per layer `[H, t, t]` for the first `map_tokens` tokens).
+    (per layer `[H, t, t]` for the first `map_tokens` tokens). `log`: a print-like function for progress lines.
     """
+    log = log or (lambda *args: None)
     entry = _describe(model, name)
+    log(f"{name}: statistics on {text_ids.shape[0]} x {text_ids.shape[1]} tokens of text ...")
     entry["text"] = attention_statistics(model, text_ids, tile=tile)
+    log(f"{name}: statistics on {repeated_ids.shape[1]} repeated tokens ...")
     entry["repeated"] = attention_statistics(model, repeated_ids, tile=tile)
+    log(f"{name}: attention maps of the first {map_tokens} tokens ...")
     modules = lazy_attention_modules(model)  # none for a vanilla Llama
     text_maps = attention_weights(model, text_ids[:1, :map_tokens])[0]
     repeated_maps = attention_weights(model, repeated_ids[:1, :map_tokens])[0]
@@ -258,16 +255,18 @@ def plot_attention_maps(entries: list[dict], views: list[dict], pairs: list[tupl
 
 def inspect_models(model, text_ids: torch.Tensor, out_dir: str | Path, *, name: str = "model", baseline=None,
                    baseline_name: str | None = None, text_file: str | None = None, map_tokens: int = 64,
-                   map_layers: list[int] | None = None, repeated_length: int = 128, tile: int = TILE) -> dict:
+                   map_layers: list[int] | None = None, repeated_length: int = 128, tile: int = TILE,
+                   log=None) -> dict:
     """Measure `model` (and `baseline`: a model, `TAU_ZERO`, or None) on `text_ids` `[windows, T]`, write
-    `report.json` and the plots into `out_dir`, and return the report (see `inspect_report.schema.json`)."""
+    `report.json` and the plots into `out_dir`, and return the report (see `inspect_report.schema.json`).
+    `log`: a print-like function for progress lines (None: silent)."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     device = next(model.parameters()).device
     text_ids = text_ids.to(device)
     repeated_ids = repeated_token_ids(text_ids, repeated_length, model.config.bos_token_id)
     map_tokens = min(map_tokens, text_ids.shape[1], repeated_length)
-    entry, view = measure(model, name, text_ids, repeated_ids, map_tokens, tile)
+    entry, view = measure(model, name, text_ids, repeated_ids, map_tokens, tile, log=log)
     entries, views = [entry], [view]
     if baseline is not None:
         if isinstance(baseline, str) and baseline == TAU_ZERO:
@@ -281,7 +280,7 @@ def inspect_models(model, text_ids: torch.Tensor, out_dir: str | Path, *, name: 
         ref_device = next(reference.parameters()).device
         with context:
             base_entry, base_view = measure(reference, baseline_name, text_ids.to(ref_device),
-                                            repeated_ids.to(ref_device), map_tokens, tile)
+                                            repeated_ids.to(ref_device), map_tokens, tile, log=log)
         entries.append(base_entry)
         views.append(base_view)
 
@@ -291,6 +290,8 @@ def inspect_models(model, text_ids: torch.Tensor, out_dir: str | Path, *, name: 
     if bad:
         raise ValueError(f"map layers {bad} out of range (models have {[e['num_layers'] for e in entries]} layers)")
     pairs = _pick_map_heads(entry, map_layers)
+    if log is not None:
+        log(f"writing the plots and report.json to {out_dir} ...")
     plot_statistics(entries, out_dir / PLOTS["statistics"])
     plot_distance_bias(entries, views, out_dir / PLOTS["distance_bias"])
     plot_tau(entries, views, out_dir / PLOTS["tau"])
@@ -353,41 +354,25 @@ def summary(report: dict, out_dir: str | Path) -> str:
 # ------------------------------------------------------------------------------------------------------
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="lazy-inspect",
-        description="Attention statistics and plots (sparsity, tile density, sink, surviving mass, tau, distance "
-        "bias, attention maps) of a LazyLlama checkpoint, optionally side by side with a baseline.",
-    )
-    parser.add_argument("model", help="LazyLlama folder or Hub id (converted or trained)")
-    parser.add_argument("--text", help="UTF-8 text file to measure on (default: the Brown Corpus test split)")
-    parser.add_argument("--baseline", help="vanilla Llama or LazyLlama folder with the same tokenizer, or "
-                        f"'{TAU_ZERO}' for MODEL with every tau set to 0")
-    parser.add_argument("--out", default="inspect-out", help="output folder (default: %(default)s)")
-    parser.add_argument("--tokenizer", help="tokenizer folder (default: MODEL's)")
-    parser.add_argument("--tokens", type=positive_int, default=512, help="tokens per window (default: %(default)s)")
-    parser.add_argument("--windows", type=positive_int, default=1, help="consecutive windows to average over "
-                        "(default: %(default)s; memory grows with layers x heads x windows x tokens^2)")
-    parser.add_argument("--repeated-length", type=positive_int, default=128, help="length of the repeated-token "
-                        "sequence (default: %(default)s)")
-    parser.add_argument("--map-tokens", type=positive_int, default=64,
-                        help="tokens shown in attention maps (default: %(default)s)")
-    parser.add_argument("--map-layers",
-                        help="comma-separated layers for the attention maps (default: first, middle, last)")
-    parser.add_argument("--device", default="auto", type=device_argument,
-                        help="auto (CUDA if available), cpu, cuda, cuda:1, ...")
-    parser.add_argument("--dtype", default="float32", choices=list(DTYPES), help="weights dtype (default: %(default)s)")
-    return parser
-
-
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    """`python -m lazy_tools.inspect_attention`: the `lazy-inspect` command (`lazy_tools.cli.lazy_inspect` parses
+    the same arguments before importing torch)."""
+    return run(inspect_parser().parse_args(argv))
+
+
+def run(args) -> int:
+    """Inspect as the parsed `lazy-inspect` arguments say; returns the exit status."""
+    def log(message: str) -> None:  # progress on stderr: stdout carries the summary
+        print(f"lazy-inspect: {message}", file=sys.stderr, flush=True)
+
     try:
+        log(f"loading {args.model} ...")
         model = load_causal_lm(args.model, role="model", device=args.device, dtype=args.dtype)
         baseline = None
         if args.baseline == TAU_ZERO:
             baseline = TAU_ZERO
         elif args.baseline:
+            log(f"loading the baseline {args.baseline} ...")
             baseline = load_causal_lm(args.baseline, role="baseline", device=args.device, dtype=args.dtype)
         tokenizer = load_tokenizer(args.tokenizer or args.model)
         if baseline is not None and not isinstance(baseline, str):
@@ -405,7 +390,7 @@ def main(argv: list[str] | None = None) -> int:
         report = inspect_models(
             model, ids.view(args.windows, args.tokens), args.out, name=args.model, baseline=baseline,
             baseline_name=args.baseline, text_file=args.text, map_tokens=args.map_tokens, map_layers=map_layers,
-            repeated_length=args.repeated_length,
+            repeated_length=args.repeated_length, log=log,
         )
     except (ValueError, OSError) as error:  # NotALazyLlama and ModelNotFound are ValueErrors
         raise SystemExit(f"lazy-inspect: error: {error}") from None

@@ -6,9 +6,7 @@ Llama is accepted only where it serves as a baseline; anything else is refused w
 what to do.
 """
 
-import argparse
 import codecs
-import math
 import re
 from contextlib import contextmanager
 from pathlib import Path
@@ -32,26 +30,6 @@ class ModelNotFound(ValueError):
 # ------------------------------------------------------------------------------------------------ arguments
 
 
-def at_least(minimum: float, kind: type = int, *, strictly: bool = False):
-    """An `argparse` type: a finite `kind` (int or float) >= `minimum` (> with `strictly`), checked when parsed."""
-
-    def parse(text: str):
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(
-                f"expected {'a whole number' if kind is int else 'a number'}, got {text!r}") from None
-        if not math.isfinite(value) or value < minimum or strictly and value == minimum:
-            raise argparse.ArgumentTypeError(f"must be {'more than' if strictly else 'at least'} {minimum}, got {text}")
-        return value
-
-    parse.__name__ = kind.__name__  # what argparse names in "invalid ... value"
-    return parse
-
-
-positive_int = at_least(1)
-
-
 def resolve_device(name: str = "auto") -> torch.device:
     """`auto` -> CUDA when available, else CPU; anything else must name a device this PyTorch can use
     (ValueError otherwise)."""
@@ -73,15 +51,6 @@ def resolve_device(name: str = "auto") -> torch.device:
         if backend is None or not getattr(backend, "is_available", lambda: False)():
             raise ValueError(f"device {name!r} is not available in this PyTorch; use --device cpu")
     return device
-
-
-def device_argument(text: str) -> str:
-    """`argparse` type: a device name `resolve_device` accepts (checked before any model is loaded)."""
-    try:
-        resolve_device(text)
-    except ValueError as error:
-        raise argparse.ArgumentTypeError(str(error)) from None
-    return text
 
 
 # ------------------------------------------------------------------------------------------------ models
@@ -130,15 +99,16 @@ def without_gguf_quantization(config):
 def load_causal_lm(name: str, *, role: str = "model", device: str | torch.device = "auto", dtype: str = "float32"):
     """Load `name` (a folder or Hub id) as a causal LM in eval mode on `device`.
 
-    `role="model"` accepts only a LazyLlama; `role="baseline"` also accepts a vanilla Llama. Raises
+    `dtype`: a name of `DTYPES`, or `"auto"` for the dtype the checkpoint stores. `role="model"` accepts only a
+    LazyLlama; `role="baseline"` also accepts a vanilla Llama. Raises
     `NotALazyLlama` or `ModelNotFound` with an actionable message otherwise.
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
     import modeling_lazy  # noqa: F401  (registers LazyLlama with the Auto classes)
 
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    if dtype != "auto" and dtype not in DTYPES:
+        raise ValueError(f"dtype must be auto or one of {', '.join(DTYPES)}, got {dtype!r}")
     device = resolve_device(device) if isinstance(device, str) else device
     with missing_model_explained(name):
         config = without_gguf_quantization(AutoConfig.from_pretrained(name))
@@ -155,7 +125,7 @@ def load_causal_lm(name: str, *, role: str = "model", device: str | torch.device
         else:
             hint = "A baseline must be a LazyLlama or a vanilla Llama (same tokenizer as MODEL)."
         raise NotALazyLlama(f"{name} is a {model_type!r} model, not a LazyLlama ({LAZY_TYPE!r}). {hint}")
-    model = AutoModelForCausalLM.from_pretrained(name, config=config, dtype=DTYPES[dtype])
+    model = AutoModelForCausalLM.from_pretrained(name, config=config, dtype=DTYPES.get(dtype, dtype))
     return model.to(device).eval()
 
 

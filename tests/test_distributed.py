@@ -26,8 +26,8 @@ def _free_port() -> int:
 
 def torchrun(*args, nproc: int = 2, script=WORKER) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-               "--master_port", str(_free_port())]
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+               "--master-port", str(_free_port())]
     command += [str(script)] if script is not None else []
     result = subprocess.run([*command, *map(str, args)], cwd=ROOT, env=env, timeout=600, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-5000:]
@@ -87,12 +87,12 @@ def finetune_workspace(tmp_path_factory):
 
 
 def _cli(workspace, output_dir, *extra):
-    return ["-m", "lazy_tools.finetune", "--model_name_or_path", workspace / "model",
-            "--train_file", workspace / "data" / "train.txt", "--output_dir", output_dir, "--block_size", "64",
-            "--max_train_blocks", "8", "--per_device_train_batch_size", "4", "--max_steps", "1", "--logging_steps", "1",
-            "--save_strategy", "no", "--report_to", "none", "--disable_tqdm", "true", "--use_cpu", "true",
-            "--seed", "0", "--dataloader_num_workers", "0", "--lazy_lr_multiplier", "3", "--stats_tokens", "32",
-            "--ddp_backend", "gloo", *extra]
+    return ["-m", "lazy_tools.finetune", workspace / "model",
+            "--train-file", workspace / "data" / "train.txt", "--output-dir", output_dir, "--block-size", "64",
+            "--max-train-blocks", "8", "--per-device-train-batch-size", "4", "--max-steps", "1", "--logging-steps", "1",
+            "--save-strategy", "no", "--report-to", "none", "--disable-tqdm", "true", "--use-cpu", "true",
+            "--seed", "0", "--dataloader-num-workers", "0", "--lazy-lr-multiplier", "3", "--stats-tokens", "32",
+            "--ddp-backend", "gloo", *extra]
 
 
 def _first_loss(output_dir: Path) -> float:
@@ -108,11 +108,11 @@ def _assert_same_weights(a_dir: Path, b_dir: Path, atol: float):
 
 
 def test_fsdp2_finetune_command_matches_ddp(finetune_workspace, tmp_path):
-    """`lazy-finetune --fsdp_size 2` under torchrun (2 CPU processes, 4 blocks each) gives the loss and the updated
+    """`lazy-finetune --fsdp-size 2` under torchrun (2 CPU processes, 4 blocks each) gives the loss and the updated
     weights of the DDP run with the same global batch of 8 blocks; the statistics callback runs on a sharded model."""
     ddp, fsdp = tmp_path / "ddp", tmp_path / "fsdp"
     torchrun(*_cli(finetune_workspace, ddp), script=None)
-    torchrun(*_cli(finetune_workspace, fsdp, "--fsdp_size", "2"), script=None)
+    torchrun(*_cli(finetune_workspace, fsdp, "--fsdp-size", "2"), script=None)
     assert _first_loss(fsdp) == pytest.approx(_first_loss(ddp), rel=1e-5, abs=1e-6)
     _assert_same_weights(fsdp, ddp, atol=1e-6)
     start = load_file(str(finetune_workspace / "model" / "model.safetensors"))

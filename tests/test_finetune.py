@@ -189,13 +189,13 @@ def test_peft_lora_run(workspace, tmp_path, train_lazy):
 
 
 def _cli(workspace, output_dir, batch_per_device):
-    return ["-m", "lazy_tools.finetune", "--model_name_or_path", str(workspace["model_dir"]),
-            "--train_file", str(workspace["files"]["train"]), "--eval_file", str(workspace["files"]["eval"]),
-            "--output_dir", str(output_dir), "--block_size", str(BLOCK), "--max_train_blocks", "8",
-            "--max_eval_blocks", "4", "--per_device_train_batch_size", str(batch_per_device),
-            "--per_device_eval_batch_size", "2", "--max_steps", "1", "--logging_steps", "1", "--save_strategy", "no",
-            "--report_to", "none", "--disable_tqdm", "true", "--use_cpu", "true", "--seed", "0",
-            "--dataloader_num_workers", "0", "--lazy_lr_multiplier", "3", "--stats_tokens", "32"]
+    return ["-m", "lazy_tools.finetune", str(workspace["model_dir"]),
+            "--train-file", str(workspace["files"]["train"]), "--eval-file", str(workspace["files"]["eval"]),
+            "--output-dir", str(output_dir), "--block-size", str(BLOCK), "--max-train-blocks", "8",
+            "--max-eval-blocks", "4", "--per-device-train-batch-size", str(batch_per_device),
+            "--per-device-eval-batch-size", "2", "--max-steps", "1", "--logging-steps", "1", "--save-strategy", "no",
+            "--report-to", "none", "--disable-tqdm", "true", "--use-cpu", "true", "--seed", "0",
+            "--dataloader-num-workers", "0", "--lazy-lr-multiplier", "3", "--stats-tokens", "32"]
 
 
 def test_torchrun_two_process_gloo_matches_single_process(workspace, tmp_path):
@@ -206,8 +206,8 @@ def test_torchrun_two_process_gloo_matches_single_process(workspace, tmp_path):
     subprocess.run([sys.executable, *_cli(workspace, single, 8)], cwd=ROOT, env=env, check=True, timeout=300,
                    capture_output=True)
     result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29533",
-         *_cli(workspace, ddp, 4), "--ddp_backend", "gloo"],
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "29533",
+         *_cli(workspace, ddp, 4), "--ddp-backend", "gloo"],
         cwd=ROOT, env=env, timeout=300, capture_output=True, text=True,
     )
     assert result.returncode == 0, result.stderr[-4000:]
@@ -230,23 +230,25 @@ def test_bad_input_is_refused_in_one_line_before_tokenising(workspace, tmp_path,
     (tmp_path / "blank.txt").write_text("  \n\n \t\n")
     (tmp_path / "latin1.txt").write_bytes("un café au lait\n".encode("latin-1"))
     cases = [
-        (["--train_file", str(tmp_path / "missing.txt")], "does not exist"),
-        (["--train_file", str(tmp_path / "empty.txt")], "is empty"),
-        (["--train_file", str(tmp_path / "blank.txt")], "holds only whitespace"),
-        (["--train_file", str(tmp_path / "latin1.txt")], "is not UTF-8 text (invalid byte at offset 6)"),
-        (["--train_file", train, "--eval_file", str(tmp_path / "empty.txt")], "--eval_file"),
-        (["--train_file", train, "--block_size", "0"], "--block_size must be at least 2"),
-        (["--train_file", train, "--block_size", "100000"], "more than the model's max_position_embeddings (512)"),
-        (["--train_file", train, "--resume_from_checkpoint", str(tmp_path / "nope")], "no such checkpoint folder"),
-        (["--train_file", train, "--model_name_or_path", str(tmp_path / "no-model")], "no-model: no such folder"),
+        (["--train-file", str(tmp_path / "missing.txt")], "does not exist"),
+        (["--train-file", str(tmp_path / "empty.txt")], "is empty"),
+        (["--train-file", str(tmp_path / "blank.txt")], "holds only whitespace"),
+        (["--train-file", str(tmp_path / "latin1.txt")], "is not UTF-8 text (invalid byte at offset 6)"),
+        (["--train-file", train, "--eval-file", str(tmp_path / "empty.txt")], "--eval-file"),
+        (["--train-file", train, "--block-size", "0"], "--block-size must be at least 2"),
+        (["--train-file", train, "--block-size", "100000"], "more than the model's max_position_embeddings (512)"),
+        (["--train-file", train, "--resume-from-checkpoint", str(tmp_path / "nope")], "no such checkpoint folder"),
     ]
-    common = ["--model_name_or_path", str(workspace["model_dir"]), "--output_dir", str(tmp_path / "out"),
-              "--block_size", str(BLOCK), "--max_steps", "1", "--report_to", "none", "--use_cpu", "true"]
-    for extra, message in cases:
+    model = str(workspace["model_dir"])
+    common = ["--output-dir", str(tmp_path / "out"), "--block-size", str(BLOCK), "--max-steps", "1", "--report-to",
+              "none", "--use-cpu", "true"]
+    runs = [([model, *common, *extra], message) for extra, message in cases]
+    runs.append(([str(tmp_path / "no-model"), *common, "--train-file", train], "no-model: no such folder"))
+    for argv, message in runs:
         with pytest.raises(SystemExit) as exit_info:
-            finetune.main(common + extra)
+            finetune.main(argv)
         text = str(exit_info.value.code)
-        assert text.startswith("lazy-finetune: error:") and message in text and "\n" not in text, (extra, text)
+        assert text.startswith("lazy-finetune: error:") and message in text and "\n" not in text, (argv, text)
 
 
 def test_hangup_stops_training_in_one_line_and_last_skips_an_incomplete_checkpoint(workspace, tmp_path,
@@ -265,11 +267,11 @@ def test_hangup_stops_training_in_one_line_and_last_skips_an_incomplete_checkpoi
     monkeypatch.setattr(finetune, "build_trainer", lambda *args, **kwargs: build(*args, **kwargs,
                                                                                  callbacks=[HangUpAtStep3()]))
     out = tmp_path / "out"
-    argv = ["--model_name_or_path", str(workspace["model_dir"]), "--train_file", str(workspace["files"]["train"]),
-            "--output_dir", str(out), "--block_size", str(BLOCK), "--max_train_blocks", "8",
-            "--per_device_train_batch_size", "2", "--save_strategy", "steps", "--save_steps", "2",
-            "--logging_steps", "50", "--report_to", "none", "--disable_tqdm", "true", "--use_cpu", "true",
-            "--dataloader_num_workers", "0", "--stats_tokens", "16"]
+    argv = [str(workspace["model_dir"]), "--train-file", str(workspace["files"]["train"]),
+            "--output-dir", str(out), "--block-size", str(BLOCK), "--max-train-blocks", "8",
+            "--per-device-train-batch-size", "2", "--save-strategy", "steps", "--save-steps", "2",
+            "--logging-steps", "50", "--report-to", "none", "--disable-tqdm", "true", "--use-cpu", "true",
+            "--dataloader-num-workers", "0", "--stats-tokens", "16"]
 
     def unhandled(*args):
         raise AssertionError("lazy-finetune does not handle SIGHUP")
@@ -277,18 +279,18 @@ def test_hangup_stops_training_in_one_line_and_last_skips_an_incomplete_checkpoi
     previous = signal.signal(signal.SIGHUP, unhandled)
     try:
         with pytest.raises(SystemExit) as exit_info:
-            finetune.main(argv + ["--max_steps", "50"])
+            finetune.main(argv + ["--max-steps", "50"])
     finally:
         signal.signal(signal.SIGHUP, previous)
     assert exit_info.value.code == 130
     lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("lazy-finetune")]
     assert lines == [f"lazy-finetune: interrupted; the newest complete checkpoint is {out / 'checkpoint-2'}: "
-                     "continue with --resume_from_checkpoint last."]
+                     "continue with --resume-from-checkpoint last."]
     # a save that was killed half-way: checkpoint-4 without its trainer_state.json
     (out / "checkpoint-4").mkdir()
     shutil.copy(out / "checkpoint-2" / "model.safetensors", out / "checkpoint-4")
     monkeypatch.setattr(finetune, "build_trainer", build)
-    finetune.main(argv + ["--max_steps", "4", "--resume_from_checkpoint", "last"])
+    finetune.main(argv + ["--max-steps", "4", "--resume-from-checkpoint", "last"])
     assert f"skipping {out / 'checkpoint-4'}: incomplete" in capsys.readouterr().err
     state = json.loads((out / "trainer_state.json").read_text())
     assert state["global_step"] == 4 and (out / "checkpoint-4" / "trainer_state.json").is_file()

@@ -257,8 +257,16 @@ def _check_plots(report: dict, out: Path):
 def test_inspect_statistics_equal_independent_values(tiny, tmp_path, capsys):
     out = tmp_path / "out"
     report = _run_inspect(tiny, out, "--dtype", "float64", "--baseline", "tau=0")
-    printed = capsys.readouterr().out
+    captured = capsys.readouterr()
+    printed = captured.out
     assert "sparsity" in printed and "report.json" in printed
+    # progress on stderr, one line per long step, for the model and the baseline, before the summary
+    progress = [line for line in captured.err.splitlines() if line.startswith("lazy-inspect: ")]
+    lazy = str(tiny["lazy"])
+    for expected in (f"loading {lazy} ...", f"{lazy}: statistics on 1 x {TOKENS} tokens of text ...",
+                     f"{lazy}: statistics on 70 repeated tokens ...", f"{lazy} at tau=0: statistics on 1 x {TOKENS}",
+                     f"writing the plots and report.json to {out} ..."):
+        assert any(line.startswith(f"lazy-inspect: {expected}") for line in progress), (expected, progress)
     _check_schema(report)
     _check_plots(report, out)
 
