@@ -46,6 +46,7 @@ from lazy_tools.folders import deferred_signals, terminations_as_interrupts
 from lazy_tools.loading import ModelNotFound, check_text_file, missing_model_explained, without_gguf_quantization
 from lazy_tools.metrics import attention_statistics
 from modeling_lazy import is_lazy_parameter
+from modeling_lazy.modeling_lazy import LAZY_PARAMETER_NAMES
 
 MODES = FINETUNE_MODES
 DEFAULT_LORA_TARGETS = list(LORA_TARGETS)
@@ -147,9 +148,24 @@ def add_lazy_parameters_to_adapter(model, folder) -> int:
     return len(lazy)
 
 
+def check_modules_to_save(model) -> None:
+    """Warn (once per call) when a PEFT config's `modules_to_save` names `tau` or `distance_bias`: PEFT matches
+    module names, these are parameters, so the entry matches nothing and trains nothing."""
+    import warnings
+
+    for name, config in getattr(model, "peft_config", {}).items():
+        named = sorted(set(getattr(config, "modules_to_save", None) or ()) & set(LAZY_PARAMETER_NAMES))
+        if named:
+            warnings.warn(f"PEFT adapter {name!r}: modules_to_save={named} matches no module ({', '.join(named)} are "
+                          "parameters of the attention modules), so PEFT neither trains nor saves them. Use "
+                          "configure_trainable(model, 'lora') (or set requires_grad on them) and save with "
+                          "save_lora_adapter or LazyTrainer.", UserWarning, stacklevel=3)
+
+
 def save_lora_adapter(model, folder) -> None:
     """`model.save_pretrained(folder)` for a PEFT model, plus its trained `tau`/`distance_bias` in the adapter
     file: `PeftModel.from_pretrained(fresh_base, folder)` then reproduces the trained model."""
+    check_modules_to_save(model)
     model.save_pretrained(folder)
     add_lazy_parameters_to_adapter(model, folder)
 
@@ -240,6 +256,7 @@ class LazyTrainer(Trainer):
     def __init__(self, *args, lazy_lr_multiplier: float = 1.0, **kwargs):
         super().__init__(*args, **kwargs)
         self.lazy_lr_multiplier = lazy_lr_multiplier
+        check_modules_to_save(self.model)
 
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
         """Trainer's save (final model and checkpoints); a PEFT model's trained tau/bias go into its adapter file."""

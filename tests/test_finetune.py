@@ -188,6 +188,18 @@ def test_peft_lora_run(workspace, tmp_path, train_lazy):
             assert (plain(ids).logits - want).abs().max() > 1e-3
 
 
+def test_modules_to_save_naming_tau_or_bias_warns(workspace, tmp_path):
+    """PEFT's `modules_to_save=["tau", "distance_bias"]` matches no module and trains nothing: saying so."""
+    peft = pytest.importorskip("peft")
+    config = peft.LoraConfig(r=2, target_modules=["q_proj"], modules_to_save=["tau", "distance_bias"])
+    model = peft.get_peft_model(fresh_model(workspace), config)
+    assert not any(p.requires_grad for n, p in model.named_parameters() if is_lazy_parameter(n))  # what PEFT does
+    with pytest.warns(UserWarning, match=r"modules_to_save=\['distance_bias', 'tau'\] matches no module"):
+        build_trainer(model, training_args(tmp_path, max_steps=1), workspace["train"])
+    with pytest.warns(UserWarning, match="matches no module"):
+        finetune.save_lora_adapter(model, tmp_path / "adapter")
+
+
 def _cli(workspace, output_dir, batch_per_device):
     return ["-m", "lazy_tools.finetune", str(workspace["model_dir"]),
             "--train-file", str(workspace["files"]["train"]), "--eval-file", str(workspace["files"]["eval"]),
