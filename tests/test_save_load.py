@@ -53,7 +53,8 @@ def test_bf16_load_keeps_lazy_parameters_float32(tmp_path):
 
 
 def test_saving_a_half_precision_model_writes_lazy_parameters_float32(tmp_path):
-    """`model.to(bf16)` casts every parameter; the saved `tau`/`distance_bias` are float32 all the same."""
+    """`model.to(bf16)` casts every parameter but `tau`/`distance_bias`, which stay float32 (their values unrounded)
+    and are saved so."""
     from safetensors import safe_open
 
     model = tiny_model(seed=4, tie_word_embeddings=True)
@@ -67,7 +68,8 @@ def test_saving_a_half_precision_model_writes_lazy_parameters_float32(tmp_path):
         for name in names:
             expected = torch.float32 if name.rsplit(".", 1)[-1] in ("tau", "distance_bias") else torch.bfloat16
             assert weights.get_tensor(name).dtype == expected, name
-        assert torch.equal(weights.get_tensor("model.layers.1.self_attn.tau"), tau.to(torch.bfloat16).float())
+        assert torch.equal(weights.get_tensor("model.layers.1.self_attn.tau"), tau)
+        assert not torch.equal(tau, tau.to(torch.bfloat16).float())  # a bfloat16 round trip would have shown
 
 
 def test_missing_lazy_parameters_are_initialised_from_config(tmp_path):
