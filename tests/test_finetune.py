@@ -188,6 +188,32 @@ def test_peft_lora_run(workspace, tmp_path, train_lazy):
             assert (plain(ids).logits - want).abs().max() > 1e-3
 
 
+def test_lora_command_saves_tau_and_bias_with_the_adapter_and_announces_the_final_evaluation(workspace, tmp_path,
+                                                                                              capsys):
+    """`lazy-finetune MODEL --mode lora`: the output folder's adapter carries the trained tau/distance_bias, the
+    plain PEFT load on a fresh base gives the trained values, and the final evaluation prints its progress lines."""
+    peft = pytest.importorskip("peft")
+    out = tmp_path / "out"
+    finetune.main([str(workspace["model_dir"]), "--mode", "lora", "--train-file", str(workspace["files"]["train"]),
+                   "--eval-file", str(workspace["files"]["eval"]), "--output-dir", str(out), "--block-size",
+                   str(BLOCK), "--max-train-blocks", "4", "--max-eval-blocks", "2", "--per-device-train-batch-size",
+                   "2", "--max-steps", "2", "--learning-rate", "1e-2", "--lazy-lr-multiplier", "5", "--save-strategy",
+                   "no", "--report-to", "none", "--disable-tqdm", "true", "--use-cpu", "true",
+                   "--dataloader-num-workers", "0", "--stats-tokens", "16"])
+    err = capsys.readouterr().err
+    assert f"lazy-finetune: final evaluation on 2 blocks of {BLOCK} tokens ..." in err
+    assert "lazy-finetune: eval_loss " in err and ", perplexity " in err
+    stored = load_file(out / finetune.ADAPTER_WEIGHTS)
+    base = fresh_model(workspace)
+    reloaded = peft.PeftModel.from_pretrained(fresh_model(workspace), str(out))
+    moved = 0
+    for name, param in reloaded.named_parameters():
+        if is_lazy_parameter(name):
+            assert torch.equal(param, stored[name]), name
+            moved += not torch.equal(param, base.get_parameter(name.removeprefix("base_model.model.")))
+    assert moved == 4  # every tau and distance_bias tensor trained and came back
+
+
 def test_modules_to_save_naming_tau_or_bias_warns(workspace, tmp_path):
     """PEFT's `modules_to_save=["tau", "distance_bias"]` matches no module and trains nothing: saying so."""
     peft = pytest.importorskip("peft")
