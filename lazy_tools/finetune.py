@@ -39,17 +39,14 @@ import torch
 from transformers import Trainer, TrainerCallback, TrainingArguments
 from transformers.trainer import TRAINER_STATE_NAME
 
-from lazy_tools.cli import DEFAULT_LORA_TARGETS as LORA_TARGETS
-from lazy_tools.cli import FINETUNE_MODES
+from lazy_tools.cli import DEFAULT_LORA_TARGETS
+from lazy_tools.cli import FINETUNE_MODES as MODES
 from lazy_tools.data import pack_token_blocks
 from lazy_tools.folders import deferred_signals, terminations_as_interrupts
 from lazy_tools.loading import ModelNotFound, check_text_file, missing_model_explained, without_gguf_quantization
 from lazy_tools.metrics import attention_statistics
 from modeling_lazy import is_lazy_parameter
 from modeling_lazy.modeling_lazy import LAZY_PARAMETER_NAMES
-
-MODES = FINETUNE_MODES
-DEFAULT_LORA_TARGETS = list(LORA_TARGETS)
 
 
 class FinetuneError(ValueError):
