@@ -394,7 +394,7 @@ class LazyLlamaPreTrainedModel(PreTrainedModel):
         state_dict = kwargs.get("state_dict")
         lazy = [p for n, p in self.named_parameters() if is_lazy_parameter(n)]
         if state_dict is None and any(p.dtype != torch.float32 for p in lazy):
-            state_dict = self.state_dict()  # after model.to(bf16): tau and distance_bias are saved float32 anyway
+            state_dict = self.state_dict()  # e.g. after model.double(): tau and distance_bias are saved float32 anyway
         if state_dict is not None:
             kwargs["state_dict"] = {n: t.float() if is_lazy_parameter(n) else t for n, t in state_dict.items()}
         result = super().save_pretrained(save_directory, *args, **kwargs)
