@@ -96,7 +96,7 @@ class LazyGroup:
     query_length: int
     kv_rows: torch.Tensor  # [2 * B * Hkv * Tk] int64: K then V rows of the cache as `[pages * 2 * block, D]`
     metadata: LazyMetadata
-    block_table: torch.Tensor  # [B, blocks] int32: the requests' blocks (the C kernel reads the pages in place)
+    block_table: torch.Tensor  # [B, blocks] int32: the requests' blocks (the native decode op reads the pages in place)
     seq_lens: torch.Tensor  # [B] int32: keys per request
 
 

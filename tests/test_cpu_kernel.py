@@ -488,12 +488,16 @@ def test_kernel_tests_pass_under_address_and_undefined_behaviour_sanitizers(tmp_
     asan = subprocess.run([compiler, "-print-file-name=libasan.so"], capture_output=True, text=True).stdout.strip()
     if not os.path.isabs(asan) or not os.path.exists(asan):
         pytest.skip("the compiler has no AddressSanitizer runtime (libasan)")
+    tree = tmp_path / "tree"  # the sources and tests beside the sanitized module, without the in-place build
+    for name in ("modeling_lazy", "configuration_lazy", "tests"):
+        shutil.copytree(ROOT / name, tree / name, ignore=shutil.ignore_patterns("__pycache__", "*.so"))
+    shutil.copy(ROOT / "pyproject.toml", tree)
     build = textwrap.dedent(f"""
         from setuptools import setup
         from torch.utils.cpp_extension import BuildExtension, CppExtension
         flags = ["-O1", "-g", "-fno-omit-frame-pointer", "-fsanitize=address,undefined", "-fno-sanitize-recover=all",
                  "-fopenmp"]
-        setup(name="sanitized", script_args=["build_ext", "--build-lib", {str(tmp_path / 'lib')!r},
+        setup(name="sanitized", script_args=["build_ext", "--build-lib", {str(tree)!r},
                                              "--build-temp", {str(tmp_path / 'tmp')!r}],
               ext_modules=[CppExtension("lazy_llama_cpu", [{str(ROOT / 'csrc' / 'lazy_attention_cpu.cpp')!r}],
                                         extra_compile_args=flags, extra_link_args=flags)],
@@ -501,13 +505,14 @@ def test_kernel_tests_pass_under_address_and_undefined_behaviour_sanitizers(tmp_
     """)
     done = subprocess.run([sys.executable, "-c", build], cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    env = dict(os.environ, PYTHONPATH=f"{tmp_path / 'lib'}{os.pathsep}{ROOT}", LD_PRELOAD=asan,
-               ASAN_OPTIONS="detect_leaks=0:abort_on_error=1", UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1")
+    env = dict(os.environ, PYTHONPATH=str(tree), LD_PRELOAD=asan, ASAN_OPTIONS="detect_leaks=0:abort_on_error=1",
+               UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1")
     check = "import lazy_llama_cpu as m, sys; assert m.__file__.startswith(sys.argv[1]), m.__file__"
-    done = subprocess.run([sys.executable, "-c", "import torch; " + check, str(tmp_path / "lib")], env=env,
+    done = subprocess.run([sys.executable, "-c", "import torch; " + check, str(tree)], cwd=tree, env=env,
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
-    done = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", __file__, "-k",
-                           SANITIZED_TESTS], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    done = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider",
+                           "tests/test_cpu_kernel.py", "-k", SANITIZED_TESTS], cwd=tree, env=env, capture_output=True,
+                          text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     assert " passed" in done.stdout and "runtime error" not in done.stderr, done.stdout[-2000:] + done.stderr[-2000:]

@@ -184,7 +184,7 @@ def test_all_ones_mask_gives_the_no_mask_metadata(past, positions):
 @pytest.mark.parametrize("path", ["_kernel_decode", "_one_row_decode"])
 def test_generate_with_an_all_ones_mask_decodes_in_the_causal_layout(path, monkeypatch, rng_seed):
     """What generate() passes without padding (a 2-D mask of ones, positions) must take the causal decode path:
-    the C kernel, or with it switched off the PyTorch one-row path."""
+    the native op, or with it switched off the PyTorch one-row path."""
     from tests.conftest import tiny_model
 
     _use("c-kernel" if path == "_kernel_decode" else "dense-v", monkeypatch)

@@ -247,7 +247,7 @@ def test_cpu_path_reads_only_owned_cache_rows_and_runs_small_groups_on_one_threa
     """The backend's CPU path on one step (three decodes of different lengths in one group, then a chunk after 5
     cached keys), NaN in every cache slot no request owns: each request's output equals Lazy Attention over its own
     keys written out here, so no unowned row is read (the PyTorch path pads the decodes to the longest with owned
-    rows; the C kernel reads each request's pages in place); the group under the one-thread limit runs on one
+    rows; the native op reads each request's pages in place); the group under the one-thread limit runs on one
     thread, the other on the caller's threads, restored after."""
     import types
 
@@ -316,7 +316,7 @@ def test_cpu_path_reads_only_owned_cache_rows_and_runs_small_groups_on_one_threa
 
 
 def test_cache_write_in_c_equals_the_pytorch_write(monkeypatch, rng_seed):
-    """The float32 cache write (one C call) leaves the cache exactly as the PyTorch write does: strided key and
+    """The float32 cache write (one native call) leaves the cache exactly as the PyTorch write does: strided key and
     value views (vLLM splits them from one projection), padded tokens (slot -1) skipped, other slots untouched."""
     import serving.lazy_attention_backend as backend
     from modeling_lazy.lazy_attention_cpu import available
