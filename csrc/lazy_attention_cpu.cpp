@@ -27,6 +27,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -126,17 +127,19 @@ struct DecodeArgs {
     }
 };
 
-// Per-thread buffers reused across the tasks of one parallel chunk.
+// Per-thread buffers reused across the tasks of one parallel chunk (grown, never zero-filled: every task writes
+// what it reads).
 struct DecodeScratch {
-    std::vector<float> buffer;
-    std::vector<const float *> row_pointers;
+    std::unique_ptr<float[]> buffer;
+    std::unique_ptr<const float *[]> row_pointers;
+    int64_t buffer_size = 0, rows_size = 0;
     float *floats(int64_t count) {
-        if (static_cast<int64_t>(buffer.size()) < count) buffer.resize(count);
-        return buffer.data();
+        if (buffer_size < count) buffer.reset(new float[buffer_size = count]);
+        return buffer.get();
     }
     const float **rows(int64_t count) {
-        if (static_cast<int64_t>(row_pointers.size()) < count) row_pointers.resize(count);
-        return row_pointers.data();
+        if (rows_size < count) row_pointers.reset(new const float *[rows_size = count]);
+        return row_pointers.get();
     }
 };
 

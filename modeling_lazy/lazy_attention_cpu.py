@@ -66,6 +66,13 @@ def cache_write_supported(key: torch.Tensor, value: torch.Tensor, cache: torch.T
             and available())
 
 
+def _float32(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` as contiguous float32 without autograd history (no call when it already is: microseconds count)."""
+    if tensor.dtype != torch.float32 or tensor.requires_grad or not tensor.is_contiguous():
+        tensor = tensor.detach().to(torch.float32).contiguous()
+    return tensor
+
+
 def _require_cpu(op: str, **tensors) -> None:
     for name, tensor in tensors.items():
         if tensor is not None and tensor.device.type != "cpu":
@@ -85,16 +92,14 @@ def lazy_decode_cpu(query, key, value, tau, distance_bias, scaling, *, seq_len=0
     sequence with n keys sits at position n - 1 unless `positions [B]` (int64) says otherwise (`n = position + 1`
     divides tau; the distances stay `n_keys - 1 - t`). `tau [Hq]`, `distance_bias [Hq, W]` (any float dtype).
     """
-    _require_cpu("lazy_decode_cpu", query=query, key=key, value=value, seq_lens=seq_lens, block_table=block_table,
-                 positions=positions)
+    if not query.device.type == key.device.type == value.device.type == "cpu":
+        _require_cpu("lazy_decode_cpu", query=query, key=key, value=value)
     if query.stride(-1) != 1:
         query = query.contiguous()
-    tau = tau.detach().to(torch.float32).contiguous()
-    distance_bias = distance_bias.detach().to(torch.float32).contiguous()
-    if positions is not None:
-        positions = positions.to(torch.int64).reshape(-1).contiguous()
-    return torch.ops.lazy_llama.cpu_decode(query, key, value, tau, distance_bias, float(scaling), int(seq_len),
-                                           seq_lens, block_table, positions)
+    if positions is not None and (positions.dtype != torch.int64 or not positions.is_contiguous()):
+        positions = positions.to(torch.int64).contiguous()
+    return torch.ops.lazy_llama.cpu_decode(query, key, value, _float32(tau), _float32(distance_bias), float(scaling),
+                                           int(seq_len), seq_lens, block_table, positions)
 
 
 def lazy_elastic_rows(scores, i0, tau, distance_bias, q_pos, row0) -> torch.Tensor:
