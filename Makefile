@@ -9,7 +9,7 @@ PIP := $(VENV)/bin/pip
 
 setup: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml Makefile
+$(VENV)/.installed: pyproject.toml setup.py $(wildcard csrc/*) Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
 	$(PIP) install --quiet "torch==$(TORCH_VERSION)" "setuptools>=77" wheel
@@ -39,7 +39,7 @@ export VLLM_CPU_KVCACHE_SPACE
 
 serve-setup: $(SERVE_VENV)/.installed
 
-$(SERVE_VENV)/.installed: pyproject.toml Makefile
+$(SERVE_VENV)/.installed: pyproject.toml setup.py $(wildcard csrc/*) Makefile
 	$(PYTHON) -m venv $(SERVE_VENV)
 	$(SERVE_VENV)/bin/pip install --quiet --upgrade pip
 	$(SERVE_VENV)/bin/pip install --quiet "torch==$(TORCH_VERSION)" "setuptools>=77" wheel

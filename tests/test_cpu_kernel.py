@@ -287,6 +287,24 @@ def test_ops_are_registered_for_the_cpu_only():
     assert out.shape == (3, 8, 48) and out.dtype == torch.float32
 
 
+def test_compiled_decode_keeps_the_native_op_in_one_graph(rng_seed):
+    """torch.compile(fullgraph=True) traces through the wrapper and the fake implementation: the graph holds the op
+    and the compiled call gives the eager bits."""
+    q, k, v, tau, bias, positions = _contiguous_case("gqa3-d64", 40, "mixed")
+    graphs = []
+
+    def backend(graph_module, example_inputs):
+        graphs.append(str(graph_module.graph))
+        return graph_module.forward
+
+    def decode(q, k, v, tau, bias, positions):
+        return cpu.lazy_decode_cpu(q, k, v, tau, bias, 0.125, seq_len=40, positions=positions)
+
+    got = torch.compile(decode, backend=backend, fullgraph=True)(q, k, v, tau, bias, positions)
+    assert len(graphs) == 1 and "lazy_llama.cpu_decode" in graphs[0], graphs
+    assert torch.equal(got, decode(q, k, v, tau, bias, positions)), f"seed {rng_seed}"
+
+
 def test_opcheck_of_the_decode_op(rng_seed):
     """PyTorch's own consistency checks of a custom op (schema, fake implementation, dispatch) on real inputs."""
     q, k, v, tau, bias, positions = _contiguous_case("gqa3-d64", 40, "mixed")
@@ -439,7 +457,7 @@ def test_bfloat16_generation_decodes_with_the_native_op(monkeypatch, rng_seed):
         monkeypatch.setenv("LAZY_ATTENTION_CPU_KERNEL", switch)
         with torch.no_grad():
             prefix = model(out[:, :-1], use_cache=True)
-            logits.append(model(out[:, -1:], past_key_values=prefix.past_key_values).logits.float())
+            logits.append(model(out[:, -1:], cache=prefix.past_key_values).logits.float())
     torch.testing.assert_close(logits[0], logits[1], atol=3e-2, rtol=3e-2, msg=lambda m: f"seed {rng_seed}: {m}")
 
 
