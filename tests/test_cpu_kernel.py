@@ -496,8 +496,9 @@ SANITIZED_TESTS = "test_contiguous_cache_matches_float64 or test_paged or test_h
 
 
 def test_kernel_tests_pass_under_address_and_undefined_behaviour_sanitizers(tmp_path):
-    """The op tests above once more against a build with -fsanitize=address,undefined (ASan preloaded into Python,
-    leak checks off: CPython and torch keep allocations for the process's life). About a minute to compile and a
+    """The op tests above once more against a build with -fsanitize=address,undefined,float-cast-overflow (GCC's
+    `undefined` leaves out float-to-int conversions such as NaN to int; ASan preloaded into Python, leak checks off:
+    CPython and torch keep allocations for the process's life). About a minute to compile and a
     minute to run on 2 cores; any out-of-bounds access or undefined behaviour (e.g. a NaN converted to int) aborts
     the run. Skipped only where the compiler has no sanitizer runtime."""
     compiler = shutil.which(os.environ.get("CXX", "c++"))
@@ -513,7 +514,8 @@ def test_kernel_tests_pass_under_address_and_undefined_behaviour_sanitizers(tmp_
     build = textwrap.dedent(f"""
         from setuptools import setup
         from torch.utils.cpp_extension import BuildExtension, CppExtension
-        flags = ["-O1", "-g", "-fno-omit-frame-pointer", "-fsanitize=address,undefined", "-fno-sanitize-recover=all",
+        flags = ["-O1", "-g", "-fno-omit-frame-pointer", "-fsanitize=address,undefined,float-cast-overflow",
+                 "-fno-sanitize-recover=all",
                  "-fopenmp"]
         setup(name="sanitized", script_args=["build_ext", "--build-lib", {str(tree)!r},
                                              "--build-temp", {str(tmp_path / 'tmp')!r}],
