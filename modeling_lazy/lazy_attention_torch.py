@@ -13,7 +13,8 @@ import weakref
 import torch
 import torch.nn.functional as F
 
-from .lazy_attention_cpu import decode_kernel, elastic_rows_kernel, lazy_decode_cpu, lazy_elastic_rows
+from .lazy_attention_cpu import available as cpu_ops_available
+from .lazy_attention_cpu import decode_supported, lazy_decode_cpu, lazy_elastic_rows
 from .lazy_attention_reference import LazyMetadata, compute_dtype, distance_bias_scores, lazy_visibility
 
 # ---------------------------------------------------------------------------------------------------
@@ -168,11 +169,9 @@ def _causal_forward(q, k, v, tau, distance_bias, metadata: LazyMetadata, out, in
     bsz, kv_heads, groups, q_len, dim = q.shape
     k_len = k.shape[2]
     step = _chunk_rows(bsz, kv_heads * groups, q_len, k_len)
-    kernel = None
-    if inference and q.dtype == torch.float32 and not torch.compiler.is_compiling():
-        kernel = elastic_rows_kernel()
-    if kernel is not None:  # the C kernel applies bias, causal limit, softmax, shift and ReLU in one pass per row
-        _causal_forward_kernel(kernel, q, k, v, tau, distance_bias, metadata, out, step)
+    if (inference and q.dtype == torch.float32 and q.device.type == "cpu" and not torch.compiler.is_compiling()
+            and cpu_ops_available()):  # the native op: bias, causal limit, softmax, shift and ReLU in one pass per row
+        _causal_forward_kernel(q, k, v, tau, distance_bias, metadata, out, step)
         return
     band, width = _band_table(distance_bias, step, k_len, q.dtype)
     mode = _tau_mode(tau)
@@ -189,8 +188,9 @@ def _causal_forward(q, k, v, tau, distance_bias, metadata: LazyMetadata, out, in
         out[:, start:stop] = o.transpose(1, 2)
 
 
-def _causal_forward_kernel(kernel, q, k, v, tau, distance_bias, metadata: LazyMetadata, out, step):
-    """The inference forward of the causal layout with the chunk's Elastic-Softmax from `lazy_elastic_rows` (float32).
+def _causal_forward_kernel(q, k, v, tau, distance_bias, metadata: LazyMetadata, out, step):
+    """The inference forward of the causal layout with the chunk's Elastic-Softmax from the native op
+    `lazy_elastic_rows` (float32 CPU tensors).
     Training keeps the PyTorch chunk, whose forward and backward must agree bitwise on the ReLU mask."""
     bsz, kv_heads, groups, q_len, dim = q.shape
     num_heads = kv_heads * groups
@@ -205,7 +205,7 @@ def _causal_forward_kernel(kernel, q, k, v, tau, distance_bias, metadata: LazyMe
         scores = workspace.view(0, bsz, kv_heads, groups * rows, k_end)
         torch.matmul(q[:, :, :, start:stop].reshape(bsz, kv_heads, groups * rows, dim), k[:, :, :k_end].transpose(2, 3),
                      out=scores)
-        lazy_elastic_rows(kernel, scores.view(bsz, num_heads, rows, k_end), i0, tau, bias, q_pos, start)
+        lazy_elastic_rows(scores.view(bsz, num_heads, rows, k_end), i0, tau, bias, q_pos, start)
         o = torch.matmul(scores, v[:, :, :k_end]).view(bsz, num_heads, rows, dim)
         out[:, start:stop] = o.transpose(1, 2)
 
@@ -476,18 +476,15 @@ def _one_row_decode(query, key, value, tau, distance_bias, metadata: LazyMetadat
     return _as(out.view(1, 1, num_heads, dim), query.dtype)
 
 
-def _kernel_decode(kernel, query, key, value, tau, distance_bias, metadata: LazyMetadata, scaling) -> torch.Tensor:
-    """One row per sequence in the causal layout, float32: the fused C kernel (`lazy_attention_cpu`), which reads
-    each key once and only the value rows some head of a GQA group weights. `out [B, 1, Hq, Dv]`."""
-    bsz, num_heads, _, dim = query.shape
-    if query.stride(-1) != 1:
-        query = query.contiguous()
-    out = torch.empty(bsz, 1, num_heads, value.shape[-1], dtype=torch.float32, device=query.device)
-    q_pos = metadata.q_pos
-    return lazy_decode_cpu(kernel, query.select(2, 0), key, value, _as(tau, torch.float32).contiguous(),
-                           _as(distance_bias, torch.float32).contiguous(), scaling, out.select(1, 0),
-                           key.shape[1], seq_len=metadata.key_length,
-                           positions=q_pos if q_pos.is_contiguous() else q_pos.contiguous()).view(out.shape)
+def _kernel_decode(query, key, value, tau, distance_bias, metadata: LazyMetadata, scaling) -> torch.Tensor:
+    """One row per sequence in the causal layout: the native CPU op (`lazy_attention_cpu`, float32, bfloat16 or
+    float16), which reads each key once and only the value rows some head of a GQA group weights.
+    `out [B, 1, Hq, Dv]` in the query dtype."""
+    bsz, num_heads = query.shape[:2]
+    positions = metadata.q_pos.expand(bsz, 1).reshape(bsz)  # a row shared by the batch is expanded
+    out = lazy_decode_cpu(query.select(2, 0), key, value, tau, distance_bias, scaling, seq_len=metadata.key_length,
+                          positions=positions)
+    return out.view(bsz, 1, num_heads, value.shape[-1])
 
 
 def _decode_scores(query, key, distance_bias, metadata: LazyMetadata, scaling, dtype) -> torch.Tensor:
@@ -613,10 +610,8 @@ def lazy_attention_torch(query, key, value, tau, distance_bias, metadata: LazyMe
             query, key[:, :, :k_len], value[:, :, :k_len], is_causal=query.shape[2] > 1, scale=float(scaling),
             enable_gqa=key.shape[1] != query.shape[1]).transpose(1, 2)
     if (query.shape[2] == 1 and metadata.causal and not metadata.static_buffer and not torch.compiler.is_compiling()
-            and query.dtype == key.dtype == value.dtype == torch.float32):
-        kernel = decode_kernel()
-        if kernel is not None and key.stride(-1) == 1 and value.stride(-1) == 1:
-            return _kernel_decode(kernel, query, key, value, tau, distance_bias, metadata, float(scaling))
+            and decode_supported(query, key, value)):
+        return _kernel_decode(query, key, value, tau, distance_bias, metadata, float(scaling))
     if (query.shape[0] == 1 and query.shape[2] == 1 and metadata.causal and not metadata.static_buffer
             and not torch.compiler.is_compiling()):
         return _one_row_decode(query, key, value, tau, distance_bias, metadata, float(scaling))

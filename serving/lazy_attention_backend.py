@@ -16,10 +16,10 @@ per-head distance bias need the whole score row and each query's position, so th
    the end of its last page), straight into contiguous `[2, B, Hkv, Tk, D]` keys and values, and calls
    the project's exact CPU op `lazy_attention_torch` with a `LazyMetadata` built from vLLM's sequence
    lengths: query i of a request with `c` cached tokens has position `c + i` (`n_i = c + i + 1`), key j
-   has position j. In float32, a decode group (one token per request) skips that copy: the fused C kernel of
-   `modeling_lazy.lazy_attention_cpu` reads each request's pages in place through its block table and writes the
-   output rows, one call per layer and step (the PyTorch op stays for prefills, other dtypes, or when the kernel
-   cannot be built).
+   has position j. A decode group (one token per request) skips that copy: the native CPU op of
+   `modeling_lazy.lazy_attention_cpu` (float32, bfloat16 or float16) reads each request's pages in place through
+   its block table, one call per layer and step (the PyTorch op stays for prefills, or when the native op is not
+   installed).
 
 Small work (every decode group of a usual batch, the cache writes of decode steps) runs on the calling thread
 only (`_one_thread`): vLLM's CPU worker keeps an OpenMP team of one thread per bound core, and every ATen op
@@ -52,7 +52,7 @@ from vllm.v1.attention.backend import (
 )
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
-from modeling_lazy.lazy_attention_cpu import cache_write_kernel, decode_kernel, lazy_cache_write, lazy_decode_cpu
+from modeling_lazy.lazy_attention_cpu import cache_write_supported, decode_supported, lazy_cache_write, lazy_decode_cpu
 from modeling_lazy.lazy_attention_reference import LazyMetadata
 from modeling_lazy.lazy_attention_torch import lazy_attention_torch
 from modeling_lazy.modeling_lazy import _lazy_backend
@@ -96,7 +96,7 @@ class LazyGroup:
     query_length: int
     kv_rows: torch.Tensor  # [2 * B * Hkv * Tk] int64: K then V rows of the cache as `[pages * 2 * block, D]`
     metadata: LazyMetadata
-    block_table: torch.Tensor  # [B, blocks] int32: the requests' blocks (the C kernel reads the pages in place)
+    block_table: torch.Tensor  # [B, blocks] int32: the requests' blocks (the native decode op reads the pages in place)
     seq_lens: torch.Tensor  # [B] int32: keys per request
 
 
@@ -232,11 +232,8 @@ class LazyAttentionImpl(AttentionImpl[LazyServingMetadata]):
         count = slot_mapping.shape[0]
         slots = slot_mapping.long()
         key, value = key[:count], value[:count]
-        kernel = cache_write_kernel() if kv_cache.dtype == key.dtype == value.dtype == torch.float32 else None
-        if kernel is not None and key.stride(-1) == 1 and value.stride(-1) == 1:  # one C call, no index tensors
-            keys, values = _split_pages(kv_cache, self.head_size)
-            strides = _row_strides(kv_cache)
-            lazy_cache_write(kernel, key, value, slots.contiguous(), keys, values, strides, strides, kv_cache.shape[2])
+        if cache_write_supported(key, value, kv_cache):  # one native call, no index tensors
+            lazy_cache_write(key, value, slots, *_page_views(kv_cache, self.head_size))
             return
         valid = slots >= 0  # padded tokens carry -1
         if not bool(valid.all()):
@@ -269,12 +266,12 @@ class LazyAttentionImpl(AttentionImpl[LazyServingMetadata]):
             output[:count] = out.to(output.dtype)
             return output
         kv_heads = kv_cache.shape[1]
-        keys, values = _split_pages(kv_cache, self.head_size)
+        _split_pages(kv_cache, self.head_size)  # the layout and head-size checks
         rows = kv_cache.view(-1, self.head_size)  # K and V rows of one width (checked above): one gather of rows
-        kernel = decode_kernel() if kv_cache.dtype == query.dtype == output.dtype == torch.float32 else None
+        native = decode_supported(query, kv_cache, kv_cache)
         for group in attn_metadata.groups:
-            if kernel is not None and group.query_length == 1 and isinstance(group.token_index, slice):
-                self._kernel_decode(kernel, group, query, keys, values, kv_cache, output)
+            if native and group.query_length == 1 and isinstance(group.token_index, slice):
+                self._kernel_decode(group, query, kv_cache, output)
                 continue
             key_length = group.metadata.key_length
             small = group.batch * self.num_heads * group.query_length * key_length <= _ONE_THREAD_MAX_ELEMENTS
@@ -292,17 +289,16 @@ class LazyAttentionImpl(AttentionImpl[LazyServingMetadata]):
                     output.index_copy_(0, group.token_index, out)
         return output
 
-    def _kernel_decode(self, kernel, group: LazyGroup, query, keys, values, kv_cache, output) -> None:
-        """A decode group through the fused C kernel, which reads K and V through the block table in place and
-        writes the output rows (no copy of the cache, one call per layer and step)."""
-        kv_heads, strides = kv_cache.shape[1], _row_strides(kv_cache)
+    def _kernel_decode(self, group: LazyGroup, query, kv_cache, output) -> None:
+        """A decode group through the native CPU op, which reads K and V through the block table in place (no copy
+        of the cache, one call per layer and step)."""
+        kv_heads = kv_cache.shape[1]
         # one parallel region per layer (not a dozen ops): worth the caller's threads once there are enough tasks
         small = group.batch * kv_heads < 8 or group.batch * self.num_heads * group.metadata.key_length < (1 << 14)
         with _one_thread(small):
-            lazy_decode_cpu(kernel, query[group.token_index], keys, values, self.tau, self.distance_bias, self.scale,
-                            output[group.token_index], kv_heads, seq_lens=group.seq_lens,
-                            block_table=group.block_table, block_size=kv_cache.shape[2], key_strides=strides,
-                            value_strides=strides)
+            output[group.token_index] = lazy_decode_cpu(
+                query[group.token_index], *_page_views(kv_cache, self.head_size), self.tau, self.distance_bias,
+                self.scale, seq_lens=group.seq_lens, block_table=group.block_table)
 
 
 def _split_pages(kv_cache: torch.Tensor, head_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -324,15 +320,9 @@ def _split_pages(kv_cache: torch.Tensor, head_size: int) -> tuple[torch.Tensor, 
     return pages[:, : block_size * head_size], pages[:, block_size * head_size:]
 
 
-def _row_strides(kv_cache: torch.Tensor) -> tuple[int, int, int]:
-    """`(block, head, token)` element strides of a key row (and of a value row, from the values' start) in the
-    pages of `_split_pages`: what the C kernels read and write through."""
-    _, kv_heads, block_size, width = kv_cache.shape
-    return kv_heads * block_size * width, block_size * width, width // 2
-
-
 def _page_views(kv_cache: torch.Tensor, head_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The same pages as `_split_pages`, as `(K, V)` views `[num_blocks, Hkv, block_size, D]` (Triton path)."""
+    """The same pages as `_split_pages`, as `(K, V)` views `[num_blocks, Hkv, block_size, D]` (the Triton path
+    and the native CPU ops)."""
     _split_pages(kv_cache, head_size)  # the layout and head-size checks
     num_blocks, kv_heads, block_size, width = kv_cache.shape
     pages = kv_cache.view(num_blocks, kv_heads, 2 * block_size, head_size)

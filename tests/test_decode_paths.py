@@ -7,7 +7,7 @@ import torch
 
 from modeling_lazy import lazy_attention_reference as ref
 from modeling_lazy import lazy_attention_torch as ops
-from modeling_lazy.lazy_attention_cpu import decode_kernel
+from modeling_lazy.lazy_attention_cpu import available as cpu_ops_available
 
 CPU = torch.device("cpu")
 TAUS = {"zero": 0.0, "negative": -1.0, "mixed": [-1.5, 0.7, 0.0, -0.3, -2.0, 0.4]}
@@ -19,8 +19,8 @@ SHAPES = {  # (heads, kv_heads, q_len, past, window)
     "few-rows-cache-inside-window": (4, 1, 16, 10, 64),
     "few-rows-no-cache": (4, 2, 12, 0, 64),
 }
-V_READS = {  # forced crossovers so that both value reads of the PyTorch path run at these small sizes; the fused C
-    # kernel (`lazy_attention_cpu`, one float32 row per sequence in the causal layout) always reads only needed rows
+V_READS = {  # forced crossovers so that both value reads of the PyTorch path run at these small sizes; the native
+    # CPU op (`lazy_attention_cpu`, one row per sequence in the causal layout) always reads only needed rows
     "dense-v": {"_SPARSE_V_MIN_KEYS": 1 << 30},
     "sparse-v": {"_SPARSE_V_MIN_KEYS": 0, "_SPARSE_V_MAX_DENSITY": 1.0},
     "c-kernel": {},
@@ -28,11 +28,11 @@ V_READS = {  # forced crossovers so that both value reads of the PyTorch path ru
 
 
 def _use(v_read, monkeypatch):
-    """Select the decode implementation: a PyTorch value read (kernel off) or the C kernel (which must build)."""
+    """Select the decode implementation: a PyTorch value read (native op off) or the native op (which must be built)."""
     for name, value in V_READS[v_read].items():
         monkeypatch.setattr(ops, name, value)
     if v_read == "c-kernel":
-        assert decode_kernel() is not None, "the CPU decode kernel did not build: is a C compiler (cc) installed?"
+        assert cpu_ops_available(), "the native CPU op is not built: run `python setup.py build_ext --inplace`"
     else:
         monkeypatch.setenv("LAZY_ATTENTION_CPU_KERNEL", "0")
 
@@ -184,7 +184,7 @@ def test_all_ones_mask_gives_the_no_mask_metadata(past, positions):
 @pytest.mark.parametrize("path", ["_kernel_decode", "_one_row_decode"])
 def test_generate_with_an_all_ones_mask_decodes_in_the_causal_layout(path, monkeypatch, rng_seed):
     """What generate() passes without padding (a 2-D mask of ones, positions) must take the causal decode path:
-    the C kernel, or with it switched off the PyTorch one-row path."""
+    the native op, or with it switched off the PyTorch one-row path."""
     from tests.conftest import tiny_model
 
     _use("c-kernel" if path == "_kernel_decode" else "dense-v", monkeypatch)

@@ -242,17 +242,20 @@ def test_triton_paged_path_equals_the_pytorch_path(tmp_path, rng_seed):
     assert "ERROR" in proc.stdout
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 @pytest.mark.parametrize("decode", ["c-kernel", "pytorch"])
-def test_cpu_path_reads_only_owned_cache_rows_and_runs_small_groups_on_one_thread(decode, monkeypatch, rng_seed):
+def test_cpu_path_reads_only_owned_cache_rows_and_runs_small_groups_on_one_thread(decode, dtype, monkeypatch,
+                                                                                   rng_seed):
     """The backend's CPU path on one step (three decodes of different lengths in one group, then a chunk after 5
     cached keys), NaN in every cache slot no request owns: each request's output equals Lazy Attention over its own
     keys written out here, so no unowned row is read (the PyTorch path pads the decodes to the longest with owned
-    rows; the C kernel reads each request's pages in place); the group under the one-thread limit runs on one
-    thread, the other on the caller's threads, restored after."""
+    rows; the native op reads each request's pages in place); the group under the one-thread limit runs on one
+    thread, the other on the caller's threads, restored after. In bfloat16 (`make serve`'s cache) too, against
+    float64 of the rounded inputs."""
     import types
 
     import serving.lazy_attention_backend as backend
-    from modeling_lazy.lazy_attention_cpu import decode_kernel
+    from modeling_lazy.lazy_attention_cpu import available
 
     gen = torch.Generator().manual_seed(rng_seed)
     heads, kv_heads, dim, page, window = 4, 2, 16, 16, 8
@@ -262,15 +265,15 @@ def test_cpu_path_reads_only_owned_cache_rows_and_runs_small_groups_on_one_threa
     for r, n in enumerate(seq_lens):
         for b in range(-(-n // page)):
             table[r, b] = order.pop()
-    cache = torch.full((17, kv_heads, page, 2 * dim), float("nan"))
+    cache = torch.full((17, kv_heads, page, 2 * dim), float("nan"), dtype=dtype)
     tau, bias = -1.0 + 0.2 * torch.randn(heads, generator=gen), torch.randn(heads, window, generator=gen)
     impl = backend.LazyAttentionImpl(heads, dim, dim**-0.5, kv_heads, tau=tau, distance_bias=bias)
     if decode == "c-kernel":
-        assert decode_kernel() is not None, "the CPU decode kernel did not build: is a C compiler (cc) installed?"
+        assert available(), "the native CPU op is not built: run `python setup.py build_ext --inplace`"
     else:
         monkeypatch.setenv("LAZY_ATTENTION_CPU_KERNEL", "0")
-    keys = [torch.randn(n, kv_heads, dim, generator=gen) for n in seq_lens]
-    values = [torch.randn(n, kv_heads, dim, generator=gen) for n in seq_lens]
+    keys = [torch.randn(n, kv_heads, dim, generator=gen).to(dtype) for n in seq_lens]
+    values = [torch.randn(n, kv_heads, dim, generator=gen).to(dtype) for n in seq_lens]
     for r, n in enumerate(seq_lens):
         slots = table[r, torch.arange(n) // page].long() * page + torch.arange(n) % page
         impl.do_kv_cache_update(None, keys[r], values[r], cache, slots)
@@ -282,7 +285,7 @@ def test_cpu_path_reads_only_owned_cache_rows_and_runs_small_groups_on_one_threa
     builder.block_size, builder.num_kv_heads, builder.device = page, kv_heads, torch.device("cpu")
     monkeypatch.setenv("LAZY_ATTENTION_BACKEND", "torch")
     metadata = builder.build(0, common)
-    query = torch.randn(int(starts[-1]), heads, dim, generator=gen)
+    query = torch.randn(int(starts[-1]), heads, dim, generator=gen).to(dtype)
 
     threads_seen = []
     for name in ("lazy_attention_torch", "lazy_decode_cpu"):
@@ -300,28 +303,30 @@ def test_cpu_path_reads_only_owned_cache_rows_and_runs_small_groups_on_one_threa
     assert threads_seen == [(decodes, 1), ("lazy_attention_torch", 2)]
 
     for r, (m, n) in enumerate(zip(q_lens, seq_lens)):
-        q = query[int(starts[r]): int(starts[r + 1])]  # [m, Hq, D]
-        k = keys[r].repeat_interleave(heads // kv_heads, 1)
-        v = values[r].repeat_interleave(heads // kv_heads, 1)
+        q = query[int(starts[r]): int(starts[r + 1])].double()  # [m, Hq, D]
+        k = keys[r].double().repeat_interleave(heads // kv_heads, 1)
+        v = values[r].double().repeat_interleave(heads // kv_heads, 1)
         scores = torch.einsum("qhd,khd->hqk", q, k) * dim**-0.5
         distance = (n - m + torch.arange(m))[:, None] - torch.arange(n)  # [m, n]
         scores = scores + torch.where((distance >= 0) & (distance < window),
-                                      bias[:, distance.clamp(0, window - 1)], 0.0)
+                                      bias.double()[:, distance.clamp(0, window - 1)], 0.0)
         scores = scores.masked_fill(distance < 0, float("-inf"))
-        weights = torch.relu(scores.softmax(-1) + tau[:, None, None] / (n - m + torch.arange(m) + 1)[:, None])
+        weights = torch.relu(scores.softmax(-1) + tau.double()[:, None, None] / (n - m + torch.arange(m) + 1)[:, None])
         weights = weights.masked_fill(distance < 0, 0.0)
         expected = torch.einsum("hqk,khd->qhd", weights, v)
-        torch.testing.assert_close(out[int(starts[r]): int(starts[r + 1])], expected, rtol=1e-5, atol=1e-5,
+        tol = 1e-5 if dtype == torch.float32 else 1e-2  # bfloat16: the output's rounding
+        assert out.dtype == dtype
+        torch.testing.assert_close(out[int(starts[r]): int(starts[r + 1])].double(), expected, rtol=tol, atol=tol,
                                    msg=lambda text, r=r: f"request {r} (seed {rng_seed}): {text}")
 
 
 def test_cache_write_in_c_equals_the_pytorch_write(monkeypatch, rng_seed):
-    """The float32 cache write (one C call) leaves the cache exactly as the PyTorch write does: strided key and
+    """The float32 cache write (one native call) leaves the cache exactly as the PyTorch write does: strided key and
     value views (vLLM splits them from one projection), padded tokens (slot -1) skipped, other slots untouched."""
     import serving.lazy_attention_backend as backend
-    from modeling_lazy.lazy_attention_cpu import cache_write_kernel
+    from modeling_lazy.lazy_attention_cpu import available
 
-    assert cache_write_kernel() is not None, "the CPU kernels did not build: is a C compiler (cc) installed?"
+    assert available(), "the native CPU op is not built: run `python setup.py build_ext --inplace`"
     heads, kv_heads, dim, page, tokens = 4, 2, 16, 8, 11
     impl = backend.LazyAttentionImpl(heads, dim, dim**-0.5, kv_heads, tau=torch.zeros(heads),
                                      distance_bias=torch.zeros(heads, 4))
