@@ -34,7 +34,8 @@ Kernels, in data-flow order:
                                the backward's causal fast path (after the causal forward), built like it: Delta
                                and d tau from the forward's U (no pass over the keys); the dq kernel also
                                reduces d distance_bias along the diagonals of each dS tile
-Then the launchers, the `autograd.Function`, the public `lazy_attention_triton`,
+Then the launchers (each launch through `wrap_triton`, so that torch.compile and make_fx trace it), the public
+`lazy_attention_triton` (the operators and their autograd are in `lazy_attention_ops`),
 `lazy_attention_triton_paged_decode` (one token per request against vLLM's paged cache) and
 `lazy_attention_triton_paged` (a mixed step of prompts, chunks and decode tokens against it).
 
@@ -61,6 +62,7 @@ except ImportError as error:  # modeling_lazy catches this and serves every devi
     ) from error
 
 import torch
+from torch.library import wrap_triton  # a launch torch.compile / make_fx can trace (plain launch in eager)
 
 if TYPE_CHECKING:  # annotations only: the ahead-of-time compiler loads this file on its own
     from .lazy_attention_reference import LazyMetadata
@@ -140,7 +142,7 @@ _CONFIGS = {
 
 def _gpu_family(device: torch.device) -> str:
     """`"sm90"` for Hopper and newer, `"sm80"` for older GPUs; the interpreter (CPU) runs the sm90 blocks."""
-    if device.type == "cuda" and torch.cuda.get_device_capability(device)[0] < 9:
+    if device.type == "cuda" and torch.cuda.is_available() and torch.cuda.get_device_capability(device)[0] < 9:
         return "sm80"
     return "sm90"
 
@@ -1123,7 +1125,7 @@ def _with_gradient_buffer(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _device_splits(batch_heads: int, q_tiles: int, key_length: int, device: torch.device) -> int:
     """Split-K factor for short queries: enough programs to fill the GPU, each over >= SPLIT_MIN_KEYS keys."""
-    if device.type != "cuda":
+    if device.type != "cuda" or not torch.cuda.is_available():  # CPU (interpreter), or fake CUDA tensors (tracing)
         return 1
     programs = batch_heads * q_tiles
     sms = torch.cuda.get_device_properties(device).multi_processor_count
@@ -1194,7 +1196,7 @@ def _forward(query, key, value, tau, distance_bias, q_pos, k_pos, q_seg, k_seg, 
     sizes = dict(Hq=num_heads, Tq=q_len, Tk=k_len, W=window, GROUPS=num_heads // kv_heads)
     if num_splits <= 1:
         stats = torch.zeros(bsz * num_heads, q_tiles, 2, dtype=torch.int32, device=query.device) if with_stats else lse
-        _lazy_fwd_kernel[(q_tiles, bsz * num_heads)](
+        wrap_triton(_lazy_fwd_kernel)[(q_tiles, bsz * num_heads)](
             Q=query, K=key, V=value, TAU=tau, BIAS=bias, **positions, OUT=out, LSE=lse, STATS=stats,
             **q_strides, **k_strides, **v_strides, **_strides("o", out, h=2, t=1),
             **sizes, scaling=scaling, SKIP=skip, WITH_STATS=with_stats, **meta)
@@ -1204,7 +1206,7 @@ def _forward(query, key, value, tau, distance_bias, q_pos, k_pos, q_seg, k_seg, 
     grid = (q_tiles, bsz * num_heads, num_splits)
     m_part = torch.empty(num_splits, bsz * num_heads, q_len, dtype=torch.float32, device=query.device)
     l_part = torch.empty_like(m_part)
-    _lazy_fwd_split_lse_kernel[grid](
+    wrap_triton(_lazy_fwd_split_lse_kernel)[grid](
         Q=query, K=key, BIAS=bias, **positions, M_PART=m_part, L_PART=l_part, **q_strides, **k_strides,
         **sizes, KEYS_PER_SPLIT=keys_per_split, scaling=scaling, **meta)
     m_max = m_part.max(0).values
@@ -1213,7 +1215,7 @@ def _forward(query, key, value, tau, distance_bias, q_pos, k_pos, q_seg, k_seg, 
     o_part = torch.empty(num_splits, bsz, q_len, num_heads, dim, dtype=torch.float32, device=query.device)
     stats = (torch.zeros(num_splits, bsz * num_heads, q_tiles, 2, dtype=torch.int32, device=query.device)
              if with_stats else lse)
-    _lazy_fwd_split_out_kernel[grid](
+    wrap_triton(_lazy_fwd_split_out_kernel)[grid](
         Q=query, K=key, V=value, TAU=tau, BIAS=bias, **positions, LSE=lse, O_PART=o_part, STATS=stats,
         **q_strides, **k_strides, **v_strides, **sizes, KEYS_PER_SPLIT=keys_per_split, scaling=scaling,
         SKIP=skip, WITH_STATS=with_stats, **meta)
@@ -1232,7 +1234,7 @@ def _causal_forward(query, key, value, tau, distance_bias, q_pos, scaling, block
     out = torch.empty(bsz, q_len, num_heads, dim, dtype=query.dtype, device=query.device)
     lse = torch.empty(bsz, num_heads, q_len, dtype=torch.float32, device=query.device)
     u = torch.empty(bsz, q_len, num_heads, dim, dtype=torch.float32, device=query.device) if store_u else None
-    _lazy_causal_fwd_kernel[(triton.cdiv(q_len, block_m), bsz * num_heads)](
+    wrap_triton(_lazy_causal_fwd_kernel)[(triton.cdiv(q_len, block_m), bsz * num_heads)](
         Q=query, K=key, V=value, TAU=tau.detach().to(torch.float32).contiguous(), BAND=band, QPOS=q_pos,
         OUT=out, LSE=lse, U=u if store_u else lse, STORE_U=store_u,
         **_strides("q", query), **_strides("k", key), **_strides("v", value), **_strides("o", out, h=2, t=1),
@@ -1279,7 +1281,7 @@ def _packed_decode(query, key, value, tau, distance_bias, q_pos, key_lengths, sc
                  KEY_CAPACITY=key_capacity)
     meta = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, D=dim, UPCAST=_INTERPRET,
                 PRECISION=_DOT_PRECISION[query.dtype], num_warps=num_warps, num_stages=num_stages)
-    _lazy_decode_lse_kernel[grid](
+    wrap_triton(_lazy_decode_lse_kernel)[grid](
         Q=query, K=key, BAND=band, **paging, SCORES=scores, M_PART=m_part, L_PART=l_part, **_strides("q", query),
         **_strides("k", key), **sizes, W=window, BAND_LEN=band.shape[-1], scale_log2=scaling * LOG2E, **meta)
     m_max = m_part.amax(0)
@@ -1287,7 +1289,7 @@ def _packed_decode(query, key, value, tau, distance_bias, q_pos, key_lengths, sc
     alive = l_sum > 0
     lse2 = torch.where(alive, m_max + torch.log2(torch.where(alive, l_sum, 1.0)), DEAD_ROW_LSE)
     o_part = torch.empty(num_splits, bsz, q_len, num_heads, dim, **f32)
-    _lazy_decode_out_kernel[grid](
+    wrap_triton(_lazy_decode_out_kernel)[grid](
         V=value, TAU=tau.detach().to(torch.float32).contiguous(), QPOS=q_pos, **paging, SCORES=scores, LSE2=lse2,
         O_PART=o_part, **_strides("v", value), **sizes, **meta)
     lse = torch.where(alive, lse2 * LN2, DEAD_ROW_LSE)
@@ -1326,7 +1328,7 @@ def _paged_prefill(query, key, value, block_table, query_start_loc, seq_lens, ta
     if tiles.shape[0] == 0:
         return out
     band = _bias_band(distance_bias, scaling, block_m, block_n)
-    _lazy_paged_fwd_kernel[(tiles.shape[0], num_heads)](
+    wrap_triton(_lazy_paged_fwd_kernel)[(tiles.shape[0], num_heads)](
         Q=query, K=key, V=value, TAU=tau.detach().to(torch.float32).contiguous(), BAND=band, BLOCK_TABLE=block_table,
         QUERY_START=query_start_loc, KLEN=seq_lens, TILES=tiles, OUT=out,
         stride_qt=query.stride(0), stride_qh=query.stride(1), **_strides("k", key), **_strides("v", value),
@@ -1371,13 +1373,13 @@ def _backward(grad_out, query, key, value, tau, distance_bias, q_pos, k_pos, q_s
     strides = dict(**_strides("q", query), **_strides("k", key), **_strides("v", value),
                    **_strides("do", grad_out, h=2, t=1))
     sizes = dict(Tq=q_len, Tk=k_len, W=window, GROUPS=groups)
-    _lazy_bwd_delta_kernel[(triton.cdiv(q_len, delta_m), bsz * num_heads)](
+    wrap_triton(_lazy_bwd_delta_kernel)[(triton.cdiv(q_len, delta_m), bsz * num_heads)](
         **inputs, DO=grad_out, DELTA=delta, DTAU_PART=dtau_part, **strides, Hq=num_heads, **sizes, scaling=scaling,
         BLOCK_M=delta_m, BLOCK_N=delta_n, num_warps=delta_warps, num_stages=delta_stages, **common)
-    _lazy_bwd_dq_kernel[(triton.cdiv(q_len, dq_m), bsz * num_heads)](
+    wrap_triton(_lazy_bwd_dq_kernel)[(triton.cdiv(q_len, dq_m), bsz * num_heads)](
         **inputs, DO=grad_out, DELTA=delta, DQ=dq, **strides, Hq=num_heads, **sizes, scaling=scaling,
         BLOCK_M=dq_m, BLOCK_N=dq_n, num_warps=dq_warps, num_stages=dq_stages, **common)
-    _lazy_bwd_dkdv_kernel[(k_tiles, bsz * kv_heads)](
+    wrap_triton(_lazy_bwd_dkdv_kernel)[(k_tiles, bsz * kv_heads)](
         **inputs, DELTA=delta, DO=grad_out, DK=dk, DV=dv, DBIAS_PART=dbias_part, **strides,
         Hq=num_heads, Hkv=kv_heads, **sizes, scaling=scaling,
         BLOCK_M=kv_m, BLOCK_N=kv_n, num_warps=kv_warps, num_stages=kv_stages, **common)
@@ -1401,7 +1403,7 @@ def _causal_backward(grad_out, query, key, value, dq, dk, dv, tau, distance_bias
     def launch(kernel, kind, programs, **arguments):  # programs(BM, BN) -> grid; each kernel its own band
         block_m, block_n, num_warps, num_stages = _config(kind, block_d, family)
         band = _bias_band(distance_bias, scaling, block_m, block_n)
-        kernel[programs(block_m, block_n)](**common, **arguments, BAND=band, BAND_LEN=band.shape[-1],
+        wrap_triton(kernel)[programs(block_m, block_n)](**common, **arguments, BAND=band, BAND_LEN=band.shape[-1],
                                            BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
                                            num_stages=num_stages)
 
@@ -1409,7 +1411,7 @@ def _causal_backward(grad_out, query, key, value, dq, dk, dv, tau, distance_bias
     delta = torch.empty(bsz, num_heads, q_len, dtype=torch.float32, device=query.device)
     delta_m, _, delta_warps, delta_stages = _config("causal_delta", block_d, family)
     dtau_part = torch.empty(bsz, num_heads, triton.cdiv(q_len, delta_m), dtype=torch.float32, device=query.device)
-    _lazy_causal_bwd_delta_kernel[query_tiles(delta_m, None)](
+    wrap_triton(_lazy_causal_bwd_delta_kernel)[query_tiles(delta_m, None)](
         OUT=out, U=u, DO=grad_out, TAU=tau32, QPOS=q_pos, DELTA=delta, DTAU_PART=dtau_part,
         **_strides("o", out, h=2, t=1), **_strides("do", grad_out, h=2, t=1), Hq=num_heads, Tq=q_len,
         BLOCK_M=delta_m, BLOCK_D=block_d, D=dim, num_warps=delta_warps, num_stages=delta_stages)
@@ -1440,40 +1442,13 @@ def _kernel_inputs(key, value, metadata: "LazyMetadata"):
 
 
 # ---------------------------------------------------------------------------------------------------
-# autograd.Function and the public function
+# The public functions (the operators and autograd live in lazy_attention_ops)
 # ---------------------------------------------------------------------------------------------------
 
 
-class LazyAttentionTritonFunction(torch.autograd.Function):
-    """Fused Lazy Attention; saves q, k, v and the row log-sum-exp (float32) for backward."""
-
-    @staticmethod
-    def forward(ctx, query, key, value, tau, distance_bias, metadata: "LazyMetadata", scaling, training=True):
-        """`training`: a backward may follow (the caller's grad mode; `needs_input_grad` alone is True under no_grad
-        too, for tau and distance_bias): the causal fast path then also stores U for its backward."""
-        key_used, value_used, positions = _kernel_inputs(key, value, metadata)
-        training = training and any(ctx.needs_input_grad[:5])
-        result = _forward(query, key_used, value_used, tau, distance_bias, *positions, scaling,
-                          causal=metadata.causal, store_u=training)
-        out, lse, u = result[0], result[1], result[3] if training else None
-        ctx.save_for_backward(query, key, value, tau, distance_bias, lse, out if u is not None else None, u)
-        ctx.lazy_metadata, ctx.scaling = metadata, scaling
-        return out
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        query, key, value, tau, distance_bias, lse, out, u = ctx.saved_tensors
-        key_used, value_used, positions = _kernel_inputs(key, value, ctx.lazy_metadata)
-        dq, dk, dv, d_tau, d_bias = _backward(grad_out, query, key_used, value_used, tau, distance_bias, *positions,
-                                              lse, ctx.scaling, causal=ctx.lazy_metadata.causal, out=out, u=u)
-        if key_used.shape[2] != key.shape[2]:  # gradients of the unused (unwritten) cache slots are 0
-            dk = torch.cat([dk, dk.new_zeros(*dk.shape[:2], key.shape[2] - dk.shape[2], dk.shape[3])], dim=2)
-            dv = torch.cat([dv, dv.new_zeros(*dv.shape[:2], value.shape[2] - dv.shape[2], dv.shape[3])], dim=2)
-        return dq, dk, dv, d_tau.to(tau.dtype), d_bias.to(distance_bias.dtype), None, None, None
-
-
 def lazy_attention_triton(query, key, value, tau, distance_bias, metadata: "LazyMetadata", scaling):
-    """Lazy Attention with the Triton kernels (CUDA tensors, or CPU tensors under TRITON_INTERPRET=1).
+    """Lazy Attention with the Triton kernels (CUDA tensors, or CPU tensors under TRITON_INTERPRET=1), whatever
+    `LAZY_ATTENTION_BACKEND` says: `lazy_attention_ops.lazy_attention(..., backend="triton")`.
 
     Args:
         query: `[B, Hq, Tq, D]`; key, value: `[B, Hkv, >= Tk, D]` (float16, bfloat16 or float32; views allowed).
@@ -1483,9 +1458,9 @@ def lazy_attention_triton(query, key, value, tau, distance_bias, metadata: "Lazy
     Returns:
         `out [B, Tq, Hq, D]` in the query dtype; differentiable in query, key, value, tau, distance_bias.
     """
-    return LazyAttentionTritonFunction.apply(query, key, value, tau, distance_bias, metadata, float(scaling),
-                                             torch.is_grad_enabled())
+    from .lazy_attention_ops import lazy_attention  # the op layer imports this file
 
+    return lazy_attention(query, key, value, tau, distance_bias, metadata, scaling, backend="triton")
 
 
 def lazy_attention_triton_paged_decode(query, kv_cache, block_table, seq_lens, tau, distance_bias, scaling,
@@ -1583,5 +1558,5 @@ def lazy_attention_tile_stats(query, key, value, tau, distance_bias, metadata: "
     return visited, visible, visited / max(1, visible)
 
 
-__all__ = ["LazyAttentionTritonFunction", "lazy_attention_triton", "lazy_attention_triton_paged",
+__all__ = ["lazy_attention_triton", "lazy_attention_triton_paged",
            "lazy_attention_triton_paged_decode", "lazy_attention_tile_stats"]
