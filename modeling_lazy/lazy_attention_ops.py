@@ -113,8 +113,11 @@ def choose_kernel(device: torch.device, dtype: torch.dtype, query_rows: int, bat
     the C kernel's layout).
 
         Triton (uses_triton: LAZY_ATTENTION_BACKEND, device, dtype); a static buffer only for one query row
-          training           causal, Tq > 16: triton_causal  (stores U for its backward)   else: triton
-          inference          causal, Tq > 16: triton_causal   causal, Tq <= 16: triton_decode   else: triton
+          causal, training or Tq > 16                     triton_causal  (the causal fast path; training stores U
+                                                                          for its backward; <= 16 rows: the packed
+                                                                          decode forward, the general backward)
+          causal, inference, Tq <= 16                     triton_decode  (the packed decode, split-K)
+          otherwise (padding, packing, a static buffer)   triton         (the general kernels)
         PyTorch (lazy_llama::attention)
           training                                        torch_train    (chunked forward, recomputing backward)
           tau = 0 and zero bias, causal, float32/64       torch_sdpa     (scaled_dot_product_attention)
@@ -124,9 +127,9 @@ def choose_kernel(device: torch.device, dtype: torch.dtype, query_rows: int, bat
           otherwise                                       torch_prefill  (chunked, inference)
     """
     if uses_triton(device, dtype, backend) and not (static_buffer and query_rows > 1):
-        if causal and query_rows > DECODE_ROWS:
+        if causal and (needs_grad or query_rows > DECODE_ROWS):
             return "triton_causal"
-        return "triton_decode" if causal and not needs_grad else "triton"
+        return "triton_decode" if causal else "triton"
     if needs_grad:
         return "torch_train"
     plain_row = query_rows == 1 and causal and not static_buffer
@@ -223,11 +226,16 @@ def _triton_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
                       distance_bias: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor, q_seg: torch.Tensor,
                       k_seg: torch.Tensor, causal: bool, store_u: bool, scaling: float
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`(out [B, Tq, Hq, D], lse [B, Hq, Tq] float32, u)`: `causal` runs the causal fast path (`u` = its U when
-    `store_u`, for the backward), otherwise the general kernel (key offset `Tk - Tq`); u is `[0]` when not stored."""
-    if causal:
+    """`(out [B, Tq, Hq, D], lse [B, Hq, Tq] float32, u)`: `causal` (the plain causal layout) runs the causal fast
+    path (`u` = its U when `store_u`, for the backward; `tl.dot` needs 16 rows, so <= 16 rows run the packed decode,
+    whose backward is the general one), otherwise the general kernel (key offset `Tk - Tq`); u is `[0]` when not
+    stored."""
+    if causal and query.shape[2] > DECODE_MAX_QUERIES:
         out, lse, u = _causal_forward(query, key, value, tau, distance_bias, q_pos, scaling,
                                       _check_inputs(query, key), store_u)
+    elif causal:
+        key_lengths = torch.full((query.shape[0],), key.shape[2], dtype=torch.int32, device=query.device)
+        (out, lse), u = _packed_decode(query, key, value, tau, distance_bias, q_pos, key_lengths, scaling), None
     else:
         (out, lse, _), u = _forward(query, key, value, tau, distance_bias, q_pos, k_pos, q_seg, k_seg, scaling), None
     return out, lse, lse.new_empty(0) if u is None else u

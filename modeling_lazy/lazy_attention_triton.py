@@ -1155,31 +1155,19 @@ def _strides(name: str, x: torch.Tensor, b: int = 0, h: int = 1, t: int = 2) -> 
 
 
 def _forward(query, key, value, tau, distance_bias, q_pos, k_pos, q_seg, k_seg, scaling,
-             skip=True, num_splits=None, with_stats=False, causal=False, store_u=False):
-    """Launch the forward. Returns `(out [B, Tq, Hq, D], lse [B, Hq, Tq] float32, stats int32 or None)`, and with
-    `store_u` a fourth element: the causal fast path's U (`_lazy_causal_fwd_kernel`, what its backward needs), None
-    on the other paths.
+             skip=True, num_splits=None, with_stats=False):
+    """Launch the general forward (any layout; the key offset is `Tk - Tq`). Returns `(out [B, Tq, Hq, D],
+    lse [B, Hq, Tq] float32, stats int32 or None)`. Which launcher serves a call (this one, `_causal_forward`,
+    `_packed_decode`) is the op layer's decision table (`lazy_attention_ops.choose_kernel`).
 
-    `causal` (the metadata's plain causal layout) runs the causal fast path for query lengths > 16: dense (no
-    tile skipping, `skip` is ignored), reads no per-key metadata; for query lengths <= 16 (without `with_stats`)
-    it runs the packed decode (`_packed_decode`). `num_splits` (None: automatic) > 1 runs the split-K kernels (only
-    used for query length <= 16; the packed decode's splits too). `stats` (only when `with_stats`, general path)
-    holds per program `(visited key tiles, visible key tiles)`.
+    `num_splits` (None: automatic) > 1 runs the split-K kernels (only used for query length <= 16). `stats` (only
+    when `with_stats`) holds per program `(visited key tiles, visible key tiles)`.
     """
     block_d = _check_inputs(query, key)
     bsz, num_heads, q_len, dim = query.shape
     kv_heads, k_len, window = key.shape[1], key.shape[2], distance_bias.shape[-1]
     query, key, value = (_last_dim_contiguous(x) for x in (query, key, value))
     decode = q_len <= DECODE_MAX_QUERIES
-    if causal and not decode and not with_stats:
-        out, lse, u = _causal_forward(query, key, value, tau, distance_bias, q_pos, scaling, block_d, store_u)
-        return (out, lse, None, u) if store_u else (out, lse, None)
-    if store_u:
-        return _forward(query, key, value, tau, distance_bias, q_pos, k_pos, q_seg, k_seg, scaling, skip,
-                        num_splits, with_stats, causal) + (None,)
-    if causal and decode and not with_stats:  # plain layout: every row's key length is Tk
-        key_lengths = torch.full((bsz,), k_len, dtype=torch.int32, device=query.device)
-        return _packed_decode(query, key, value, tau, distance_bias, q_pos, key_lengths, scaling, num_splits) + (None,)
     block_m, block_n, num_warps, num_stages = _config("decode" if decode else "fwd", block_d,
                                                       _gpu_family(query.device))
     q_tiles = triton.cdiv(q_len, block_m)
