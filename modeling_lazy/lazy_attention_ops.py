@@ -330,9 +330,9 @@ def lazy_attention(query, key, value, tau, distance_bias, metadata: LazyMetadata
         return torch.ops.lazy_llama.attention(query, key, value, tau, distance_bias, metadata.q_pos, metadata.k_pos,
                                               metadata.q_seg, metadata.k_seg, key_offset, metadata.causal, scaling,
                                               needs_grad)[0]
-    if not metadata.static_buffer:  # the kernels take the key offset from the shapes (Tk - Tq)
-        k_len = metadata.key_length
-        key, value = key[:, :, :k_len], value[:, :, :k_len]
+    if not metadata.static_buffer and key.shape[2] != metadata.key_length:  # the kernels take the key offset
+        k_len = metadata.key_length                                            # from the shapes (Tk - Tq)
+        key, value = key.narrow(2, 0, k_len), value.narrow(2, 0, k_len)
     q_pos, k_pos = metadata.q_pos32, metadata.k_pos32
     if kernel == "triton_decode":
         key_lengths = torch.full((query.shape[0],), key.shape[2], dtype=torch.int32, device=query.device)

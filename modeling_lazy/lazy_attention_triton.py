@@ -1140,12 +1140,10 @@ def _bias_band(distance_bias: torch.Tensor, scaling: float, block_m: int, block_
     d >= W (beyond the window)."""
     heads, window = distance_bias.shape
     neg = block_m + block_n
-    band = torch.zeros(2, heads, window + 2 * neg, dtype=torch.float32, device=distance_bias.device)
-    band[:, :, :neg] = float("-inf")
     bias = distance_bias.detach().to(torch.float32)
-    band[0, :, neg:neg + window] = bias * LOG2E
-    band[1, :, neg:neg + window] = bias / scaling
-    return band
+    rows = torch.stack([bias * LOG2E, bias / scaling])  # [2, Hq, W]
+    # built with cat, not slice assignment: Python indexing of fake CUDA tensors fails on a CPU-only build (tracing)
+    return torch.cat([rows.new_full((2, heads, neg), float("-inf")), rows, rows.new_zeros(2, heads, neg)], dim=-1)
 
 
 def _strides(name: str, x: torch.Tensor, b: int = 0, h: int = 1, t: int = 2) -> dict[str, int]:
@@ -1288,7 +1286,7 @@ def _varlen_tiles(query_start_loc, num_tokens, block_m, max_query_len=None):
     """`[programs, 2]` int32 work list of the varlen paged prefill, built on the device (no host sync): (request,
     first query row) for every `block_m`-row tile of every request, then (-1, 0) for the spare programs of the upper
     bound `sum_r cdiv(q_len_r, BM) <= (T + R (BM - 1)) // BM` (and <= R cdiv(max_query_len, BM))."""
-    q_lens = (query_start_loc[1:] - query_start_loc[:-1]).to(torch.int64)
+    q_lens = query_start_loc.diff().to(torch.int64)
     requests = q_lens.numel()
     programs = (num_tokens + requests * (block_m - 1)) // block_m
     if max_query_len is not None:
@@ -1299,7 +1297,7 @@ def _varlen_tiles(query_start_loc, num_tokens, block_m, max_query_len=None):
     request = torch.searchsorted(ends, index, right=True)
     live = request < requests
     request = request.clamp(max=requests - 1)
-    first = (index - (ends - tiles)[request]) * block_m
+    first = (index - (ends - tiles).index_select(0, request)) * block_m
     return torch.stack([torch.where(live, request, -1), torch.where(live, first, 0)], 1).to(torch.int32).contiguous()
 
 
@@ -1470,11 +1468,11 @@ def lazy_attention_triton_paged_decode(query, kv_cache, block_table, seq_lens, t
     """
     key, value = _cache_halves(query, kv_cache)
     seq_lens = seq_lens.to(device=query.device, dtype=torch.int32).contiguous()
-    q_pos = (seq_lens - 1)[:, None].contiguous()
-    out, _ = _packed_decode(_last_dim_contiguous(query)[:, :, None], key, value, tau, distance_bias, q_pos, seq_lens,
+    q_pos = (seq_lens - 1).unsqueeze(1).contiguous()
+    out, _ = _packed_decode(_last_dim_contiguous(query).unsqueeze(2), key, value, tau, distance_bias, q_pos, seq_lens,
                             float(scaling), block_table=block_table.to(torch.int32).contiguous(),
                             key_capacity=max_seq_len)
-    return out[:, 0]
+    return out.select(1, 0)
 
 
 def lazy_attention_triton_paged(query, kv_cache, block_table, query_start_loc, seq_lens, tau, distance_bias, scaling,
@@ -1500,17 +1498,18 @@ def lazy_attention_triton_paged(query, kv_cache, block_table, query_start_loc, s
         num_decodes = query.shape[0]
     decoded = None
     if num_decodes:
-        decoded = lazy_attention_triton_paged_decode(query[:num_decodes], kv_cache, block_table[:num_decodes],
-                                                     seq_lens[:num_decodes], tau, distance_bias, scaling, max_seq_len)
+        decoded = lazy_attention_triton_paged_decode(query.narrow(0, 0, num_decodes), kv_cache,
+                                                     block_table.narrow(0, 0, num_decodes),
+                                                     seq_lens.narrow(0, 0, num_decodes), tau, distance_bias, scaling,
+                                                     max_seq_len)
         if num_decodes == query.shape[0]:
             return decoded
     key, value = _cache_halves(query, kv_cache)
     int32 = dict(device=query.device, dtype=torch.int32)
-    out = _paged_prefill(_last_dim_contiguous(query[num_decodes:]), key, value,
-                         block_table[num_decodes:].to(**int32).contiguous(),
-                         (query_start_loc[num_decodes:] - num_decodes).to(**int32).contiguous(),
-                         seq_lens[num_decodes:].to(**int32).contiguous(), tau, distance_bias, float(scaling),
-                         max_query_len)
+    rest = lambda x: x.narrow(0, num_decodes, x.shape[0] - num_decodes)  # noqa: E731 (narrow: see _bias_band)
+    out = _paged_prefill(_last_dim_contiguous(rest(query)), key, value, rest(block_table).to(**int32).contiguous(),
+                         (rest(query_start_loc) - num_decodes).to(**int32).contiguous(),
+                         rest(seq_lens).to(**int32).contiguous(), tau, distance_bias, float(scaling), max_query_len)
     return out if decoded is None else torch.cat([decoded, out])
 
 
@@ -1529,7 +1528,7 @@ def _cache_halves(query, kv_cache):
     if kv_cache.shape[-1] != 2 * dim or kv_cache.stride(-1) != 1:
         raise ValueError(f"kv_cache's last dim must hold K and V of head_dim {dim} ({2 * dim} contiguous channels), "
                          f"got shape {tuple(kv_cache.shape)}, strides {kv_cache.stride()}")
-    return kv_cache[..., :dim], kv_cache[..., dim:]
+    return kv_cache.narrow(-1, 0, dim), kv_cache.narrow(-1, dim, dim)
 
 
 def lazy_attention_tile_stats(query, key, value, tau, distance_bias, metadata: "LazyMetadata", scaling,
