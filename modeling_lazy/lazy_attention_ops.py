@@ -176,7 +176,8 @@ def _torch_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
                                backend="torch", softmax_only=softmax_only(query, tau, distance_bias, metadata),
                                native_layout=native)
     out, lse = torch_forward(kernel, query, key, value, tau, distance_bias, metadata, scaling)
-    return out, query.new_empty(0, dtype=torch.float32) if lse is None else lse
+    # contiguous, as the fake implementation says (the decode kernels give a transposed view)
+    return out.contiguous(), query.new_empty(0, dtype=torch.float32) if lse is None else lse
 
 
 def _torch_attention_backward(grad_out: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -282,6 +283,30 @@ def _triton_paged(query: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
                                        num_decodes=num_decodes)
 
 
+def _triton_attention_fake(query, key, value, tau, distance_bias, q_pos, k_pos, q_seg, k_seg, causal, store_u,
+                           scaling):
+    bsz, num_heads, q_len, dim = query.shape
+    f32 = dict(dtype=torch.float32, device=query.device)
+    u = (bsz, q_len, num_heads, dim) if causal and store_u and q_len > DECODE_MAX_QUERIES else (0,)
+    return query.new_empty(bsz, q_len, num_heads, dim), torch.empty(bsz, num_heads, q_len, **f32), torch.empty(u, **f32)
+
+
+def _triton_attention_backward_fake(grad_out, query, key, value, tau, distance_bias, q_pos, k_pos, q_seg, k_seg, lse,
+                                    out, u, causal, scaling):
+    return (torch.empty_like(query), torch.empty_like(key), torch.empty_like(value), torch.empty_like(tau),
+            torch.empty_like(distance_bias))
+
+
+def _triton_decode_fake(query, key, value, tau, distance_bias, q_pos, key_lengths, scaling):
+    bsz, num_heads, q_len, dim = query.shape
+    return query.new_empty(bsz, q_len, num_heads, dim)
+
+
+def _triton_paged_fake(query, key_cache, value_cache, block_table, query_start_loc, seq_lens, tau, distance_bias,
+                       scaling, max_query_len, max_seq_len, num_decodes):
+    return torch.empty_like(query)
+
+
 def _registered(name: str) -> bool:
     """True when `lazy_llama::<name>` exists already: the installed package and a checkpoint's flat copy of these
     files (trust_remote_code) share the operator registry, and the first one to load registers."""
@@ -297,11 +322,16 @@ def _register() -> None:
         backward.register_fake(_torch_attention_backward_fake)
         op.register_autograd(_torch_autograd, setup_context=_torch_setup_context)
     if _forward is not None and not _registered("triton_attention"):
-        op = torch.library.triton_op("lazy_llama::triton_attention", _triton_attention, mutates_args=())
-        torch.library.triton_op("lazy_llama::triton_attention_backward", _triton_attention_backward, mutates_args=())
-        op.register_autograd(_triton_autograd, setup_context=_triton_setup_context)
-        torch.library.triton_op("lazy_llama::triton_decode", _triton_decode, mutates_args=())
-        torch.library.triton_op("lazy_llama::triton_paged", _triton_paged, mutates_args=())
+        for name, launch, fake in (("triton_attention", _triton_attention, _triton_attention_fake),
+                                   ("triton_attention_backward", _triton_attention_backward,
+                                    _triton_attention_backward_fake),
+                                   ("triton_decode", _triton_decode, _triton_decode_fake),
+                                   ("triton_paged", _triton_paged, _triton_paged_fake)):
+            # a fake of its own: the launchers' bodies can run on fake tensors only where `wrap_triton` traces
+            # (not under TRITON_INTERPRET=1, which launches at once)
+            torch.library.triton_op(f"lazy_llama::{name}", launch, mutates_args=()).register_fake(fake)
+        torch.library.register_autograd("lazy_llama::triton_attention", _triton_autograd,
+                                        setup_context=_triton_setup_context)
 
 
 _register()

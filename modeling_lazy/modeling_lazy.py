@@ -55,7 +55,6 @@ except ImportError:  # installed project: the config lives in its own package
 from .lazy_attention_ops import lazy_attention
 from .lazy_attention_reference import LazyMetadata, lazy_attention_metadata, lazy_attention_reference
 
-
 logger = logging.get_logger(__name__)
 
 # Name of the cache field of model outputs: `cache` since transformers 5.2x, `past_key_values` before.

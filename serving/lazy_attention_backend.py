@@ -30,8 +30,8 @@ runs a dozen such ops where vLLM's own CPU attention runs one kernel.
 
 On CUDA, steps 3 and 4 are replaced by one Triton op per layer, `lazy_attention_paged` (`lazy_llama::triton_paged`),
 which reads K and V through the block table (the varlen causal kernel for prompts and chunks, the packed decode for
-the decode requests, which the builder asks vLLM to put first). As in the model, `LAZY_ATTENTION_BACKEND` (auto | triton |
-torch) chooses; `triton` with `TRITON_INTERPRET=1` runs the kernels on CPU tensors (the tests do).
+the decode requests, which the builder asks vLLM to put first). As in the model, `LAZY_ATTENTION_BACKEND` (auto |
+triton | torch) chooses; `triton` with `TRITON_INTERPRET=1` runs the kernels on CPU tensors (the tests do).
 
 The cached K/V are post-RoPE keys and values, which do not depend on `tau` or the distance bias, so
 vLLM's prefix caching and chunked prefill work unchanged.

@@ -228,10 +228,10 @@ assert (outputs["triton"][count:] == 0).all()  # padding rows untouched
 
 
 def test_triton_paged_path_equals_the_pytorch_path(tmp_path, rng_seed):
-    """On CUDA the backend runs the step through `lazy_attention_paged` (the `lazy_llama::triton_paged` op); here the same code under the Triton
-    interpreter (CPU tensors, `LAZY_ATTENTION_BACKEND=triton`) against the backend's PyTorch path, on one mixed step:
-    two decode requests first, a whole prompt, a chunk after 30 cached keys; shuffled pages, huge values in
-    unowned slots."""
+    """On CUDA the backend runs the step through `lazy_attention_paged` (the `lazy_llama::triton_paged` op); here the
+    same code under the Triton interpreter (CPU tensors, `LAZY_ATTENTION_BACKEND=triton`) against the backend's
+    PyTorch path, on one mixed step: two decode requests first, a whole prompt, a chunk after 30 cached keys; shuffled
+    pages, huge values in unowned slots."""
     pytest.importorskip("triton")
     script = tmp_path / "triton_step.py"
     script.write_text(TRITON_STEP)
