@@ -342,6 +342,12 @@ _register()
 # ---------------------------------------------------------------------------------------------------
 
 
+def _tracing(query: torch.Tensor) -> bool:
+    """True under torch.compile / export / make_fx (or with fake tensors): calls must be operators then."""
+    return (torch.compiler.is_compiling() or type(query) not in (torch.Tensor, torch.nn.Parameter)
+            or torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.PROXY) is not None)
+
+
 def lazy_attention(query, key, value, tau, distance_bias, metadata: LazyMetadata, scaling, backend: str | None = None):
     """Lazy Attention through the op layer: `out [B, Tq, Hq, D]` in the query dtype, differentiable in query, key,
     value, tau and distance_bias.
@@ -357,6 +363,9 @@ def lazy_attention(query, key, value, tau, distance_bias, metadata: LazyMetadata
     scaling = float(scaling)
     if kernel.startswith("torch"):
         key_offset = metadata.key_offset if metadata.static_buffer else None
+        if not needs_grad and not _tracing(query):  # eager inference: the op's body without the dispatcher's cost
+            return _torch_attention(query, key, value, tau, distance_bias, metadata.q_pos, metadata.k_pos,
+                                    metadata.q_seg, metadata.k_seg, key_offset, metadata.causal, scaling, False)[0]
         return torch.ops.lazy_llama.attention(query, key, value, tau, distance_bias, metadata.q_pos, metadata.k_pos,
                                               metadata.q_seg, metadata.k_seg, key_offset, metadata.causal, scaling,
                                               needs_grad)[0]
