@@ -187,8 +187,12 @@ def _prefill_rows(device, dim, heads, window, length, bsz, backward, with_flex) 
                 out = lazy_triton.lazy_attention_triton(q, k, v, tau, bias, meta, scaling)
                 torch.autograd.backward(out, grad)
             else:
-                lazy_triton._forward(q, k, v, tau, bias, *lazy_triton._kernel_inputs(k, v, meta)[2],
-                                     scaling, skip=skip, causal=causal and meta.causal)
+                positions = lazy_triton._kernel_inputs(k, v, meta)[2]
+                if causal and meta.causal:  # the causal fast path (dense; `skip` does not apply)
+                    lazy_triton._causal_forward(q, k, v, tau, bias, positions[0], scaling,
+                                                lazy_triton._check_inputs(q, k))
+                else:
+                    lazy_triton._forward(q, k, v, tau, bias, *positions, scaling, skip=skip)
         return run
 
     def sdpa():

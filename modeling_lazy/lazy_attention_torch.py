@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from .lazy_attention_cpu import available as cpu_ops_available
-from .lazy_attention_cpu import decode_supported, lazy_decode_cpu, lazy_elastic_rows
+from .lazy_attention_cpu import lazy_decode_cpu, lazy_elastic_rows
 from .lazy_attention_reference import LazyMetadata, compute_dtype, distance_bias_scores, lazy_visibility
 
 # ---------------------------------------------------------------------------------------------------
@@ -336,40 +336,29 @@ def _lazy_forward(query, key, value, tau, distance_bias, metadata: LazyMetadata,
     return out, _general_forward(q, k, v, tau, distance_bias, metadata, out)
 
 
-class LazyAttentionTorchFunction(torch.autograd.Function):
-    """Chunked exact Lazy Attention with a recomputing backward (O(L) extra memory per chunk row)."""
-
-    @staticmethod
-    def forward(ctx, query, key, value, tau, distance_bias, metadata: LazyMetadata, scaling):
-        out, lse = _lazy_forward(query, key, value, tau, distance_bias, metadata, scaling)
-        ctx.save_for_backward(query, key, value, tau, distance_bias, lse)
-        ctx.lazy_metadata, ctx.scaling = metadata, scaling
-        return out.to(query.dtype)
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        query, key, value, tau, distance_bias, lse = ctx.saved_tensors
-        metadata, scaling = ctx.lazy_metadata, ctx.scaling
-        q, k, v = _scaled_inputs(query, key, value, metadata, scaling)
-        bsz, kv_heads, groups, q_len, dim = q.shape
-        d_out = grad_out.to(q.dtype).transpose(1, 2).reshape(bsz, kv_heads, groups, q_len, dim)
-        window = distance_bias.shape[-1]
-        grads = (
-            torch.empty_like(q),  # dq
-            torch.zeros_like(k),  # dk
-            torch.zeros_like(v),  # dv
-            torch.zeros(kv_heads * groups, dtype=q.dtype, device=q.device),  # d tau
-            torch.zeros(kv_heads * groups, window + 1, dtype=q.dtype, device=q.device),  # d bias; last: outside W
-        )
-        if lse is None:
-            _causal_backward(q, k, v, tau, distance_bias, metadata, d_out, grads)
-        else:
-            _general_backward(q, k, v, tau, distance_bias, metadata, lse, d_out, grads)
-        dq, dk, dv, d_tau, d_bias = grads
-        # dS was taken w.r.t. scaled scores: dq = scaling * dS k, and dk = dS^T (scaling q) already
-        d_query = (dq * scaling).view(query.shape).to(query.dtype)
-        d_key, d_value = (_pad_keys(grad, full) for grad, full in ((dk, key), (dv, value)))
-        return (d_query, d_key, d_value, d_tau.to(tau.dtype), d_bias[:, :window].to(distance_bias.dtype), None, None)
+def torch_backward(grad_out, query, key, value, tau, distance_bias, metadata: LazyMetadata, lse, scaling):
+    """Gradients `(d query, d key, d value, d tau, d distance_bias)` of `_lazy_forward`'s output (it gave `lse`, None
+    in the causal layout): each chunk recomputed from q, k, v (O(L) extra memory per chunk row)."""
+    q, k, v = _scaled_inputs(query, key, value, metadata, scaling)
+    bsz, kv_heads, groups, q_len, dim = q.shape
+    d_out = grad_out.to(q.dtype).transpose(1, 2).reshape(bsz, kv_heads, groups, q_len, dim)
+    window = distance_bias.shape[-1]
+    grads = (
+        torch.empty_like(q),  # dq
+        torch.zeros_like(k),  # dk
+        torch.zeros_like(v),  # dv
+        torch.zeros(kv_heads * groups, dtype=q.dtype, device=q.device),  # d tau
+        torch.zeros(kv_heads * groups, window + 1, dtype=q.dtype, device=q.device),  # d bias; last: outside W
+    )
+    if lse is None:
+        _causal_backward(q, k, v, tau, distance_bias, metadata, d_out, grads)
+    else:
+        _general_backward(q, k, v, tau, distance_bias, metadata, lse, d_out, grads)
+    dq, dk, dv, d_tau, d_bias = grads
+    # dS was taken w.r.t. scaled scores: dq = scaling * dS k, and dk = dS^T (scaling q) already
+    d_query = (dq * scaling).view(query.shape).to(query.dtype)
+    d_key, d_value = (_pad_keys(grad, full) for grad, full in ((dk, key), (dv, value)))
+    return d_query, d_key, d_value, d_tau.to(tau.dtype), d_bias[:, :window].to(distance_bias.dtype)
 
 
 def _pad_keys(grad: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
@@ -587,38 +576,42 @@ def _decode_forward(query, key, value, tau, distance_bias, metadata: LazyMetadat
     return out.view(bsz, num_heads, q_len, dim).transpose(1, 2).to(query.dtype)
 
 
-def _is_softmax_attention(query, tau, distance_bias, metadata: LazyMetadata) -> bool:
-    """True when this inference call is exactly causal softmax attention, which `scaled_dot_product_attention`
-    computes faster: tau = 0 and a zero distance bias in every head (a checkpoint converted at tau = 0 and not
-    trained since), the plain causal layout, and either one query row or no cached keys (SDPA's causal mask is
-    aligned to the first key). float32/float64 only: lower precisions keep the float32 math of the other paths."""
-    return (query.dtype in (torch.float32, torch.float64) and metadata.causal and not metadata.static_buffer
-            and (query.shape[2] == 1 or metadata.key_offset == 0) and not torch.compiler.is_compiling()
-            and _all_zero(tau) and _all_zero(distance_bias))
+def softmax_only(query, tau, distance_bias, metadata: LazyMetadata) -> bool:
+    """True when `scaled_dot_product_attention` computes this call exactly: tau = 0 and a zero distance bias in
+    every head (a checkpoint converted at tau = 0 and not trained since), and SDPA's causal mask (aligned to the
+    first key) fits: one query row or no cached keys. The layout and dtype are the decision table's."""
+    return (query.shape[2] == 1 or metadata.key_offset == 0) and _all_zero(tau) and _all_zero(distance_bias)
+
+
+def torch_forward(kernel: str, query, key, value, tau, distance_bias, metadata: LazyMetadata, scaling):
+    """`(out [B, Tq, Hq, D] in the query dtype, lse or None)` of the PyTorch kernel `choose_kernel` named
+    (`lazy_attention_ops`): `lse` is what `torch_backward` needs after `torch_train` (None in the causal layout)."""
+    if kernel == "torch_train":
+        out, lse = _lazy_forward(query, key, value, tau, distance_bias, metadata, scaling)
+        return out.to(query.dtype), lse
+    if kernel == "torch_sdpa":
+        k_len = metadata.key_length
+        out = F.scaled_dot_product_attention(
+            query, key[:, :, :k_len], value[:, :, :k_len], is_causal=query.shape[2] > 1, scale=scaling,
+            enable_gqa=key.shape[1] != query.shape[1]).transpose(1, 2)
+    elif kernel == "cpu_decode":
+        out = _kernel_decode(query, key, value, tau, distance_bias, metadata, scaling)
+    elif kernel == "torch_one_row":
+        out = _one_row_decode(query, key, value, tau, distance_bias, metadata, scaling)
+    elif kernel == "torch_decode":
+        out = _decode_forward(query, key, value, tau, distance_bias, metadata, scaling)
+    else:  # "torch_prefill": no autograd bookkeeping
+        out = _lazy_forward(query, key, value, tau, distance_bias, metadata, scaling, inference=True)[0]
+    return out.to(query.dtype), None
 
 
 def lazy_attention_torch(query, key, value, tau, distance_bias, metadata: LazyMetadata, scaling):
-    """Exact Lazy Attention without any L x L tensor. Same arguments as `lazy_attention_reference`.
+    """Exact Lazy Attention without any L x L tensor (the PyTorch path, whatever `LAZY_ATTENTION_BACKEND` says):
+    `lazy_attention_ops.lazy_attention(..., backend="torch")`. Same arguments as `lazy_attention_reference`;
+    returns `out [B, Tq, Hq, D]` in the query dtype."""
+    from .lazy_attention_ops import lazy_attention  # the op layer imports this file
 
-    Returns `out [B, Tq, Hq, D]` in the query dtype.
-    """
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value, tau, distance_bias)):
-        return LazyAttentionTorchFunction.apply(query, key, value, tau, distance_bias, metadata, float(scaling))
-    if _is_softmax_attention(query, tau, distance_bias, metadata):
-        k_len = metadata.key_length
-        return F.scaled_dot_product_attention(
-            query, key[:, :, :k_len], value[:, :, :k_len], is_causal=query.shape[2] > 1, scale=float(scaling),
-            enable_gqa=key.shape[1] != query.shape[1]).transpose(1, 2)
-    if (query.shape[2] == 1 and metadata.causal and not metadata.static_buffer and not torch.compiler.is_compiling()
-            and decode_supported(query, key, value)):
-        return _kernel_decode(query, key, value, tau, distance_bias, metadata, float(scaling))
-    if (query.shape[0] == 1 and query.shape[2] == 1 and metadata.causal and not metadata.static_buffer
-            and not torch.compiler.is_compiling()):
-        return _one_row_decode(query, key, value, tau, distance_bias, metadata, float(scaling))
-    if query.shape[2] <= _DECODE_MAX_ROWS:
-        return _decode_forward(query, key, value, tau, distance_bias, metadata, float(scaling))
-    out, _ = _lazy_forward(query, key, value, tau, distance_bias, metadata, float(scaling), inference=True)
-    return out.to(query.dtype)  # inference (prefill): no autograd bookkeeping
+    return lazy_attention(query, key, value, tau, distance_bias, metadata, scaling, backend="torch")
 
 
-__all__ = ["LazyAttentionTorchFunction", "lazy_attention_torch"]
+__all__ = ["lazy_attention_torch", "softmax_only", "torch_backward", "torch_forward"]

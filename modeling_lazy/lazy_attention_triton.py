@@ -34,7 +34,8 @@ Kernels, in data-flow order:
                                the backward's causal fast path (after the causal forward), built like it: Delta
                                and d tau from the forward's U (no pass over the keys); the dq kernel also
                                reduces d distance_bias along the diagonals of each dS tile
-Then the launchers, the `autograd.Function`, the public `lazy_attention_triton`,
+Then the launchers (each launch through `wrap_triton`, so that torch.compile and make_fx trace it), the public
+`lazy_attention_triton` (the operators and their autograd are in `lazy_attention_ops`),
 `lazy_attention_triton_paged_decode` (one token per request against vLLM's paged cache) and
 `lazy_attention_triton_paged` (a mixed step of prompts, chunks and decode tokens against it).
 
@@ -61,6 +62,7 @@ except ImportError as error:  # modeling_lazy catches this and serves every devi
     ) from error
 
 import torch
+from torch.library import wrap_triton  # a launch torch.compile / make_fx can trace (plain launch in eager)
 
 if TYPE_CHECKING:  # annotations only: the ahead-of-time compiler loads this file on its own
     from .lazy_attention_reference import LazyMetadata
@@ -140,7 +142,7 @@ _CONFIGS = {
 
 def _gpu_family(device: torch.device) -> str:
     """`"sm90"` for Hopper and newer, `"sm80"` for older GPUs; the interpreter (CPU) runs the sm90 blocks."""
-    if device.type == "cuda" and torch.cuda.get_device_capability(device)[0] < 9:
+    if device.type == "cuda" and torch.cuda.is_available() and torch.cuda.get_device_capability(device)[0] < 9:
         return "sm80"
     return "sm90"
 
@@ -1123,7 +1125,7 @@ def _with_gradient_buffer(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _device_splits(batch_heads: int, q_tiles: int, key_length: int, device: torch.device) -> int:
     """Split-K factor for short queries: enough programs to fill the GPU, each over >= SPLIT_MIN_KEYS keys."""
-    if device.type != "cuda":
+    if device.type != "cuda" or not torch.cuda.is_available():  # CPU (interpreter), or fake CUDA tensors (tracing)
         return 1
     programs = batch_heads * q_tiles
     sms = torch.cuda.get_device_properties(device).multi_processor_count
@@ -1138,12 +1140,10 @@ def _bias_band(distance_bias: torch.Tensor, scaling: float, block_m: int, block_
     d >= W (beyond the window)."""
     heads, window = distance_bias.shape
     neg = block_m + block_n
-    band = torch.zeros(2, heads, window + 2 * neg, dtype=torch.float32, device=distance_bias.device)
-    band[:, :, :neg] = float("-inf")
     bias = distance_bias.detach().to(torch.float32)
-    band[0, :, neg:neg + window] = bias * LOG2E
-    band[1, :, neg:neg + window] = bias / scaling
-    return band
+    rows = torch.stack([bias * LOG2E, bias / scaling])  # [2, Hq, W]
+    # built with cat, not slice assignment: Python indexing of fake CUDA tensors fails on a CPU-only build (tracing)
+    return torch.cat([rows.new_full((2, heads, neg), float("-inf")), rows, rows.new_zeros(2, heads, neg)], dim=-1)
 
 
 def _strides(name: str, x: torch.Tensor, b: int = 0, h: int = 1, t: int = 2) -> dict[str, int]:
@@ -1153,31 +1153,19 @@ def _strides(name: str, x: torch.Tensor, b: int = 0, h: int = 1, t: int = 2) -> 
 
 
 def _forward(query, key, value, tau, distance_bias, q_pos, k_pos, q_seg, k_seg, scaling,
-             skip=True, num_splits=None, with_stats=False, causal=False, store_u=False):
-    """Launch the forward. Returns `(out [B, Tq, Hq, D], lse [B, Hq, Tq] float32, stats int32 or None)`, and with
-    `store_u` a fourth element: the causal fast path's U (`_lazy_causal_fwd_kernel`, what its backward needs), None
-    on the other paths.
+             skip=True, num_splits=None, with_stats=False):
+    """Launch the general forward (any layout; the key offset is `Tk - Tq`). Returns `(out [B, Tq, Hq, D],
+    lse [B, Hq, Tq] float32, stats int32 or None)`. Which launcher serves a call (this one, `_causal_forward`,
+    `_packed_decode`) is the op layer's decision table (`lazy_attention_ops.choose_kernel`).
 
-    `causal` (the metadata's plain causal layout) runs the causal fast path for query lengths > 16: dense (no
-    tile skipping, `skip` is ignored), reads no per-key metadata; for query lengths <= 16 (without `with_stats`)
-    it runs the packed decode (`_packed_decode`). `num_splits` (None: automatic) > 1 runs the split-K kernels (only
-    used for query length <= 16; the packed decode's splits too). `stats` (only when `with_stats`, general path)
-    holds per program `(visited key tiles, visible key tiles)`.
+    `num_splits` (None: automatic) > 1 runs the split-K kernels (only used for query length <= 16). `stats` (only
+    when `with_stats`) holds per program `(visited key tiles, visible key tiles)`.
     """
     block_d = _check_inputs(query, key)
     bsz, num_heads, q_len, dim = query.shape
     kv_heads, k_len, window = key.shape[1], key.shape[2], distance_bias.shape[-1]
     query, key, value = (_last_dim_contiguous(x) for x in (query, key, value))
     decode = q_len <= DECODE_MAX_QUERIES
-    if causal and not decode and not with_stats:
-        out, lse, u = _causal_forward(query, key, value, tau, distance_bias, q_pos, scaling, block_d, store_u)
-        return (out, lse, None, u) if store_u else (out, lse, None)
-    if store_u:
-        return _forward(query, key, value, tau, distance_bias, q_pos, k_pos, q_seg, k_seg, scaling, skip,
-                        num_splits, with_stats, causal) + (None,)
-    if causal and decode and not with_stats:  # plain layout: every row's key length is Tk
-        key_lengths = torch.full((bsz,), k_len, dtype=torch.int32, device=query.device)
-        return _packed_decode(query, key, value, tau, distance_bias, q_pos, key_lengths, scaling, num_splits) + (None,)
     block_m, block_n, num_warps, num_stages = _config("decode" if decode else "fwd", block_d,
                                                       _gpu_family(query.device))
     q_tiles = triton.cdiv(q_len, block_m)
@@ -1194,7 +1182,7 @@ def _forward(query, key, value, tau, distance_bias, q_pos, k_pos, q_seg, k_seg, 
     sizes = dict(Hq=num_heads, Tq=q_len, Tk=k_len, W=window, GROUPS=num_heads // kv_heads)
     if num_splits <= 1:
         stats = torch.zeros(bsz * num_heads, q_tiles, 2, dtype=torch.int32, device=query.device) if with_stats else lse
-        _lazy_fwd_kernel[(q_tiles, bsz * num_heads)](
+        wrap_triton(_lazy_fwd_kernel)[(q_tiles, bsz * num_heads)](
             Q=query, K=key, V=value, TAU=tau, BIAS=bias, **positions, OUT=out, LSE=lse, STATS=stats,
             **q_strides, **k_strides, **v_strides, **_strides("o", out, h=2, t=1),
             **sizes, scaling=scaling, SKIP=skip, WITH_STATS=with_stats, **meta)
@@ -1204,7 +1192,7 @@ def _forward(query, key, value, tau, distance_bias, q_pos, k_pos, q_seg, k_seg, 
     grid = (q_tiles, bsz * num_heads, num_splits)
     m_part = torch.empty(num_splits, bsz * num_heads, q_len, dtype=torch.float32, device=query.device)
     l_part = torch.empty_like(m_part)
-    _lazy_fwd_split_lse_kernel[grid](
+    wrap_triton(_lazy_fwd_split_lse_kernel)[grid](
         Q=query, K=key, BIAS=bias, **positions, M_PART=m_part, L_PART=l_part, **q_strides, **k_strides,
         **sizes, KEYS_PER_SPLIT=keys_per_split, scaling=scaling, **meta)
     m_max = m_part.max(0).values
@@ -1213,7 +1201,7 @@ def _forward(query, key, value, tau, distance_bias, q_pos, k_pos, q_seg, k_seg, 
     o_part = torch.empty(num_splits, bsz, q_len, num_heads, dim, dtype=torch.float32, device=query.device)
     stats = (torch.zeros(num_splits, bsz * num_heads, q_tiles, 2, dtype=torch.int32, device=query.device)
              if with_stats else lse)
-    _lazy_fwd_split_out_kernel[grid](
+    wrap_triton(_lazy_fwd_split_out_kernel)[grid](
         Q=query, K=key, V=value, TAU=tau, BIAS=bias, **positions, LSE=lse, O_PART=o_part, STATS=stats,
         **q_strides, **k_strides, **v_strides, **sizes, KEYS_PER_SPLIT=keys_per_split, scaling=scaling,
         SKIP=skip, WITH_STATS=with_stats, **meta)
@@ -1232,7 +1220,7 @@ def _causal_forward(query, key, value, tau, distance_bias, q_pos, scaling, block
     out = torch.empty(bsz, q_len, num_heads, dim, dtype=query.dtype, device=query.device)
     lse = torch.empty(bsz, num_heads, q_len, dtype=torch.float32, device=query.device)
     u = torch.empty(bsz, q_len, num_heads, dim, dtype=torch.float32, device=query.device) if store_u else None
-    _lazy_causal_fwd_kernel[(triton.cdiv(q_len, block_m), bsz * num_heads)](
+    wrap_triton(_lazy_causal_fwd_kernel)[(triton.cdiv(q_len, block_m), bsz * num_heads)](
         Q=query, K=key, V=value, TAU=tau.detach().to(torch.float32).contiguous(), BAND=band, QPOS=q_pos,
         OUT=out, LSE=lse, U=u if store_u else lse, STORE_U=store_u,
         **_strides("q", query), **_strides("k", key), **_strides("v", value), **_strides("o", out, h=2, t=1),
@@ -1279,7 +1267,7 @@ def _packed_decode(query, key, value, tau, distance_bias, q_pos, key_lengths, sc
                  KEY_CAPACITY=key_capacity)
     meta = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, D=dim, UPCAST=_INTERPRET,
                 PRECISION=_DOT_PRECISION[query.dtype], num_warps=num_warps, num_stages=num_stages)
-    _lazy_decode_lse_kernel[grid](
+    wrap_triton(_lazy_decode_lse_kernel)[grid](
         Q=query, K=key, BAND=band, **paging, SCORES=scores, M_PART=m_part, L_PART=l_part, **_strides("q", query),
         **_strides("k", key), **sizes, W=window, BAND_LEN=band.shape[-1], scale_log2=scaling * LOG2E, **meta)
     m_max = m_part.amax(0)
@@ -1287,7 +1275,7 @@ def _packed_decode(query, key, value, tau, distance_bias, q_pos, key_lengths, sc
     alive = l_sum > 0
     lse2 = torch.where(alive, m_max + torch.log2(torch.where(alive, l_sum, 1.0)), DEAD_ROW_LSE)
     o_part = torch.empty(num_splits, bsz, q_len, num_heads, dim, **f32)
-    _lazy_decode_out_kernel[grid](
+    wrap_triton(_lazy_decode_out_kernel)[grid](
         V=value, TAU=tau.detach().to(torch.float32).contiguous(), QPOS=q_pos, **paging, SCORES=scores, LSE2=lse2,
         O_PART=o_part, **_strides("v", value), **sizes, **meta)
     lse = torch.where(alive, lse2 * LN2, DEAD_ROW_LSE)
@@ -1298,7 +1286,7 @@ def _varlen_tiles(query_start_loc, num_tokens, block_m, max_query_len=None):
     """`[programs, 2]` int32 work list of the varlen paged prefill, built on the device (no host sync): (request,
     first query row) for every `block_m`-row tile of every request, then (-1, 0) for the spare programs of the upper
     bound `sum_r cdiv(q_len_r, BM) <= (T + R (BM - 1)) // BM` (and <= R cdiv(max_query_len, BM))."""
-    q_lens = (query_start_loc[1:] - query_start_loc[:-1]).to(torch.int64)
+    q_lens = query_start_loc.diff().to(torch.int64)
     requests = q_lens.numel()
     programs = (num_tokens + requests * (block_m - 1)) // block_m
     if max_query_len is not None:
@@ -1309,7 +1297,7 @@ def _varlen_tiles(query_start_loc, num_tokens, block_m, max_query_len=None):
     request = torch.searchsorted(ends, index, right=True)
     live = request < requests
     request = request.clamp(max=requests - 1)
-    first = (index - (ends - tiles)[request]) * block_m
+    first = (index - (ends - tiles).index_select(0, request)) * block_m
     return torch.stack([torch.where(live, request, -1), torch.where(live, first, 0)], 1).to(torch.int32).contiguous()
 
 
@@ -1326,7 +1314,7 @@ def _paged_prefill(query, key, value, block_table, query_start_loc, seq_lens, ta
     if tiles.shape[0] == 0:
         return out
     band = _bias_band(distance_bias, scaling, block_m, block_n)
-    _lazy_paged_fwd_kernel[(tiles.shape[0], num_heads)](
+    wrap_triton(_lazy_paged_fwd_kernel)[(tiles.shape[0], num_heads)](
         Q=query, K=key, V=value, TAU=tau.detach().to(torch.float32).contiguous(), BAND=band, BLOCK_TABLE=block_table,
         QUERY_START=query_start_loc, KLEN=seq_lens, TILES=tiles, OUT=out,
         stride_qt=query.stride(0), stride_qh=query.stride(1), **_strides("k", key), **_strides("v", value),
@@ -1371,13 +1359,13 @@ def _backward(grad_out, query, key, value, tau, distance_bias, q_pos, k_pos, q_s
     strides = dict(**_strides("q", query), **_strides("k", key), **_strides("v", value),
                    **_strides("do", grad_out, h=2, t=1))
     sizes = dict(Tq=q_len, Tk=k_len, W=window, GROUPS=groups)
-    _lazy_bwd_delta_kernel[(triton.cdiv(q_len, delta_m), bsz * num_heads)](
+    wrap_triton(_lazy_bwd_delta_kernel)[(triton.cdiv(q_len, delta_m), bsz * num_heads)](
         **inputs, DO=grad_out, DELTA=delta, DTAU_PART=dtau_part, **strides, Hq=num_heads, **sizes, scaling=scaling,
         BLOCK_M=delta_m, BLOCK_N=delta_n, num_warps=delta_warps, num_stages=delta_stages, **common)
-    _lazy_bwd_dq_kernel[(triton.cdiv(q_len, dq_m), bsz * num_heads)](
+    wrap_triton(_lazy_bwd_dq_kernel)[(triton.cdiv(q_len, dq_m), bsz * num_heads)](
         **inputs, DO=grad_out, DELTA=delta, DQ=dq, **strides, Hq=num_heads, **sizes, scaling=scaling,
         BLOCK_M=dq_m, BLOCK_N=dq_n, num_warps=dq_warps, num_stages=dq_stages, **common)
-    _lazy_bwd_dkdv_kernel[(k_tiles, bsz * kv_heads)](
+    wrap_triton(_lazy_bwd_dkdv_kernel)[(k_tiles, bsz * kv_heads)](
         **inputs, DELTA=delta, DO=grad_out, DK=dk, DV=dv, DBIAS_PART=dbias_part, **strides,
         Hq=num_heads, Hkv=kv_heads, **sizes, scaling=scaling,
         BLOCK_M=kv_m, BLOCK_N=kv_n, num_warps=kv_warps, num_stages=kv_stages, **common)
@@ -1401,7 +1389,7 @@ def _causal_backward(grad_out, query, key, value, dq, dk, dv, tau, distance_bias
     def launch(kernel, kind, programs, **arguments):  # programs(BM, BN) -> grid; each kernel its own band
         block_m, block_n, num_warps, num_stages = _config(kind, block_d, family)
         band = _bias_band(distance_bias, scaling, block_m, block_n)
-        kernel[programs(block_m, block_n)](**common, **arguments, BAND=band, BAND_LEN=band.shape[-1],
+        wrap_triton(kernel)[programs(block_m, block_n)](**common, **arguments, BAND=band, BAND_LEN=band.shape[-1],
                                            BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
                                            num_stages=num_stages)
 
@@ -1409,7 +1397,7 @@ def _causal_backward(grad_out, query, key, value, dq, dk, dv, tau, distance_bias
     delta = torch.empty(bsz, num_heads, q_len, dtype=torch.float32, device=query.device)
     delta_m, _, delta_warps, delta_stages = _config("causal_delta", block_d, family)
     dtau_part = torch.empty(bsz, num_heads, triton.cdiv(q_len, delta_m), dtype=torch.float32, device=query.device)
-    _lazy_causal_bwd_delta_kernel[query_tiles(delta_m, None)](
+    wrap_triton(_lazy_causal_bwd_delta_kernel)[query_tiles(delta_m, None)](
         OUT=out, U=u, DO=grad_out, TAU=tau32, QPOS=q_pos, DELTA=delta, DTAU_PART=dtau_part,
         **_strides("o", out, h=2, t=1), **_strides("do", grad_out, h=2, t=1), Hq=num_heads, Tq=q_len,
         BLOCK_M=delta_m, BLOCK_D=block_d, D=dim, num_warps=delta_warps, num_stages=delta_stages)
@@ -1440,40 +1428,13 @@ def _kernel_inputs(key, value, metadata: "LazyMetadata"):
 
 
 # ---------------------------------------------------------------------------------------------------
-# autograd.Function and the public function
+# The public functions (the operators and autograd live in lazy_attention_ops)
 # ---------------------------------------------------------------------------------------------------
 
 
-class LazyAttentionTritonFunction(torch.autograd.Function):
-    """Fused Lazy Attention; saves q, k, v and the row log-sum-exp (float32) for backward."""
-
-    @staticmethod
-    def forward(ctx, query, key, value, tau, distance_bias, metadata: "LazyMetadata", scaling, training=True):
-        """`training`: a backward may follow (the caller's grad mode; `needs_input_grad` alone is True under no_grad
-        too, for tau and distance_bias): the causal fast path then also stores U for its backward."""
-        key_used, value_used, positions = _kernel_inputs(key, value, metadata)
-        training = training and any(ctx.needs_input_grad[:5])
-        result = _forward(query, key_used, value_used, tau, distance_bias, *positions, scaling,
-                          causal=metadata.causal, store_u=training)
-        out, lse, u = result[0], result[1], result[3] if training else None
-        ctx.save_for_backward(query, key, value, tau, distance_bias, lse, out if u is not None else None, u)
-        ctx.lazy_metadata, ctx.scaling = metadata, scaling
-        return out
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        query, key, value, tau, distance_bias, lse, out, u = ctx.saved_tensors
-        key_used, value_used, positions = _kernel_inputs(key, value, ctx.lazy_metadata)
-        dq, dk, dv, d_tau, d_bias = _backward(grad_out, query, key_used, value_used, tau, distance_bias, *positions,
-                                              lse, ctx.scaling, causal=ctx.lazy_metadata.causal, out=out, u=u)
-        if key_used.shape[2] != key.shape[2]:  # gradients of the unused (unwritten) cache slots are 0
-            dk = torch.cat([dk, dk.new_zeros(*dk.shape[:2], key.shape[2] - dk.shape[2], dk.shape[3])], dim=2)
-            dv = torch.cat([dv, dv.new_zeros(*dv.shape[:2], value.shape[2] - dv.shape[2], dv.shape[3])], dim=2)
-        return dq, dk, dv, d_tau.to(tau.dtype), d_bias.to(distance_bias.dtype), None, None, None
-
-
 def lazy_attention_triton(query, key, value, tau, distance_bias, metadata: "LazyMetadata", scaling):
-    """Lazy Attention with the Triton kernels (CUDA tensors, or CPU tensors under TRITON_INTERPRET=1).
+    """Lazy Attention with the Triton kernels (CUDA tensors, or CPU tensors under TRITON_INTERPRET=1), whatever
+    `LAZY_ATTENTION_BACKEND` says: `lazy_attention_ops.lazy_attention(..., backend="triton")`.
 
     Args:
         query: `[B, Hq, Tq, D]`; key, value: `[B, Hkv, >= Tk, D]` (float16, bfloat16 or float32; views allowed).
@@ -1483,9 +1444,9 @@ def lazy_attention_triton(query, key, value, tau, distance_bias, metadata: "Lazy
     Returns:
         `out [B, Tq, Hq, D]` in the query dtype; differentiable in query, key, value, tau, distance_bias.
     """
-    return LazyAttentionTritonFunction.apply(query, key, value, tau, distance_bias, metadata, float(scaling),
-                                             torch.is_grad_enabled())
+    from .lazy_attention_ops import lazy_attention  # the op layer imports this file
 
+    return lazy_attention(query, key, value, tau, distance_bias, metadata, scaling, backend="triton")
 
 
 def lazy_attention_triton_paged_decode(query, kv_cache, block_table, seq_lens, tau, distance_bias, scaling,
@@ -1507,11 +1468,11 @@ def lazy_attention_triton_paged_decode(query, kv_cache, block_table, seq_lens, t
     """
     key, value = _cache_halves(query, kv_cache)
     seq_lens = seq_lens.to(device=query.device, dtype=torch.int32).contiguous()
-    q_pos = (seq_lens - 1)[:, None].contiguous()
-    out, _ = _packed_decode(_last_dim_contiguous(query)[:, :, None], key, value, tau, distance_bias, q_pos, seq_lens,
+    q_pos = (seq_lens - 1).unsqueeze(1).contiguous()
+    out, _ = _packed_decode(_last_dim_contiguous(query).unsqueeze(2), key, value, tau, distance_bias, q_pos, seq_lens,
                             float(scaling), block_table=block_table.to(torch.int32).contiguous(),
                             key_capacity=max_seq_len)
-    return out[:, 0]
+    return out.select(1, 0)
 
 
 def lazy_attention_triton_paged(query, kv_cache, block_table, query_start_loc, seq_lens, tau, distance_bias, scaling,
@@ -1537,17 +1498,18 @@ def lazy_attention_triton_paged(query, kv_cache, block_table, query_start_loc, s
         num_decodes = query.shape[0]
     decoded = None
     if num_decodes:
-        decoded = lazy_attention_triton_paged_decode(query[:num_decodes], kv_cache, block_table[:num_decodes],
-                                                     seq_lens[:num_decodes], tau, distance_bias, scaling, max_seq_len)
+        decoded = lazy_attention_triton_paged_decode(query.narrow(0, 0, num_decodes), kv_cache,
+                                                     block_table.narrow(0, 0, num_decodes),
+                                                     seq_lens.narrow(0, 0, num_decodes), tau, distance_bias, scaling,
+                                                     max_seq_len)
         if num_decodes == query.shape[0]:
             return decoded
     key, value = _cache_halves(query, kv_cache)
     int32 = dict(device=query.device, dtype=torch.int32)
-    out = _paged_prefill(_last_dim_contiguous(query[num_decodes:]), key, value,
-                         block_table[num_decodes:].to(**int32).contiguous(),
-                         (query_start_loc[num_decodes:] - num_decodes).to(**int32).contiguous(),
-                         seq_lens[num_decodes:].to(**int32).contiguous(), tau, distance_bias, float(scaling),
-                         max_query_len)
+    rest = lambda x: x.narrow(0, num_decodes, x.shape[0] - num_decodes)  # noqa: E731 (narrow: see _bias_band)
+    out = _paged_prefill(_last_dim_contiguous(rest(query)), key, value, rest(block_table).to(**int32).contiguous(),
+                         (rest(query_start_loc) - num_decodes).to(**int32).contiguous(),
+                         rest(seq_lens).to(**int32).contiguous(), tau, distance_bias, float(scaling), max_query_len)
     return out if decoded is None else torch.cat([decoded, out])
 
 
@@ -1566,7 +1528,7 @@ def _cache_halves(query, kv_cache):
     if kv_cache.shape[-1] != 2 * dim or kv_cache.stride(-1) != 1:
         raise ValueError(f"kv_cache's last dim must hold K and V of head_dim {dim} ({2 * dim} contiguous channels), "
                          f"got shape {tuple(kv_cache.shape)}, strides {kv_cache.stride()}")
-    return kv_cache[..., :dim], kv_cache[..., dim:]
+    return kv_cache.narrow(-1, 0, dim), kv_cache.narrow(-1, dim, dim)
 
 
 def lazy_attention_tile_stats(query, key, value, tau, distance_bias, metadata: "LazyMetadata", scaling,
@@ -1583,5 +1545,5 @@ def lazy_attention_tile_stats(query, key, value, tau, distance_bias, metadata: "
     return visited, visible, visited / max(1, visible)
 
 
-__all__ = ["LazyAttentionTritonFunction", "lazy_attention_triton", "lazy_attention_triton_paged",
+__all__ = ["lazy_attention_triton", "lazy_attention_triton_paged",
            "lazy_attention_triton_paged_decode", "lazy_attention_tile_stats"]

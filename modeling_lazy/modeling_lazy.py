@@ -53,48 +53,16 @@ try:  # flat copy next to a checkpoint (trust_remote_code)
     from .configuration_lazy import LazyLlamaConfig
 except ImportError:  # installed project: the config lives in its own package
     from configuration_lazy import LazyLlamaConfig
+from .lazy_attention_ops import lazy_attention
 from .lazy_attention_reference import LazyMetadata, lazy_attention_metadata, lazy_attention_reference
-from .lazy_attention_torch import lazy_attention_torch
-
-try:
-    from .lazy_attention_triton import lazy_attention_triton
-except ImportError:  # triton not installed (CPU-only or Hub users): the PyTorch path serves every device
-    lazy_attention_triton = None
-
 
 logger = logging.get_logger(__name__)
 
-BACKEND_ENV = "LAZY_ATTENTION_BACKEND"
 # Name of the cache field of model outputs: `cache` since transformers 5.2x, `past_key_values` before.
 CACHE_FIELD = "cache" if "cache" in BaseModelOutputWithPast.__dataclass_fields__ else "past_key_values"
 # The two parameters Lazy Attention adds to every attention layer (float32, one entry per query head).
 LAZY_PARAMETER_NAMES = ("tau", "distance_bias")
 REFUSED_IMPLEMENTATIONS = ("sdpa", "flash_attention_2", "flash_attention_3", "flash_attention_4", "flex_attention")
-
-
-def _lazy_backend(query: torch.Tensor) -> str:
-    """`"triton"` or `"torch"` for this call, from `LAZY_ATTENTION_BACKEND` (auto | triton | torch).
-
-    Under torch.compile the PyTorch path is traced (inductor fuses it; no graph break, and a static cache's
-    whole buffer needs its tensor key offset); the Triton kernels serve eager calls.
-    """
-    if torch.compiler.is_compiling():
-        return "torch"
-    choice = os.environ.get(BACKEND_ENV, "auto").strip().lower()
-    if choice not in ("auto", "triton", "torch"):
-        raise ValueError(f"{BACKEND_ENV} must be one of auto, triton, torch; got {choice!r}.")
-    if choice == "torch":
-        return "torch"
-    interpreting = os.environ.get("TRITON_INTERPRET", "0") == "1"
-    runnable = lazy_attention_triton is not None and (query.is_cuda or interpreting)
-    if choice == "triton":
-        if not runnable:
-            raise RuntimeError(
-                f"{BACKEND_ENV}=triton needs the `triton` package and CUDA tensors (or TRITON_INTERPRET=1 set "
-                "before import to run the kernels on CPU). Install triton or set the variable to auto/torch."
-            )
-        return "triton"
-    return "triton" if runnable and query.is_cuda else "torch"
 
 
 def eager_lazy_attention_forward(
@@ -128,13 +96,13 @@ def lazy_attention_forward(
     dropout: float = 0.0,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    """Fused Lazy Attention: Triton kernels on CUDA, the chunked exact PyTorch path elsewhere.
+    """Fused Lazy Attention through the op layer (`lazy_attention_ops`): Triton kernels on CUDA, the exact PyTorch
+    path elsewhere, as its decision table says (also under torch.compile).
 
     Same inputs as `eager_lazy_attention_forward` (the attention module routes calls that need weights or
     dropout to that one); returns `(out [B, Tq, Hq, D], None)`.
     """
-    fused = lazy_attention_triton if _lazy_backend(query) == "triton" else lazy_attention_torch
-    return fused(query, key, value, module.tau, module.distance_bias, kwargs["lazy_metadata"], scaling), None
+    return lazy_attention(query, key, value, module.tau, module.distance_bias, kwargs["lazy_metadata"], scaling), None
 
 
 AttentionInterface.register("lazy", lazy_attention_forward)
@@ -308,8 +276,8 @@ class LazyLlamaDecoderLayer(GradientCheckpointingLayer):
 
 # Files that make a checkpoint self-contained for `trust_remote_code=True` (all flat, sibling imports).
 MODELING_FILES = (
-    "modeling_lazy.py", "lazy_attention_reference.py", "lazy_attention_torch.py", "lazy_attention_triton.py",
-    "lazy_attention_cpu.py",
+    "modeling_lazy.py", "lazy_attention_ops.py", "lazy_attention_reference.py", "lazy_attention_torch.py",
+    "lazy_attention_triton.py", "lazy_attention_cpu.py",
 )
 AUTO_MAP = {
     "AutoConfig": "configuration_lazy.LazyLlamaConfig",

@@ -14,7 +14,8 @@ per-head distance bias need the whole score row and each query's position, so th
 4. per layer and group, copies the group's keys and values out of the cache with one `index_select` of
    token rows (the step's row index, shared by every layer, stops at each group's longest request, not at
    the end of its last page), straight into contiguous `[2, B, Hkv, Tk, D]` keys and values, and calls
-   the project's exact CPU op `lazy_attention_torch` with a `LazyMetadata` built from vLLM's sequence
+   the project's exact PyTorch op (`lazy_attention(..., backend="torch")`, the op layer's entry point) with a
+   `LazyMetadata` built from vLLM's sequence
    lengths: query i of a request with `c` cached tokens has position `c + i` (`n_i = c + i + 1`), key j
    has position j. A decode group (one token per request) skips that copy: the native CPU op of
    `modeling_lazy.lazy_attention_cpu` (float32, bfloat16 or float16) reads each request's pages in place through
@@ -27,10 +28,10 @@ past the parallel grain wakes that team. On a machine whose cores are busy each 
 (milliseconds, measured on the benchmark's 2-core machine) for microseconds of work, and a decode layer here
 runs a dozen such ops where vLLM's own CPU attention runs one kernel.
 
-On CUDA, steps 3 and 4 are replaced by one Triton call per layer, `lazy_attention_triton_paged`, which reads K and V
-through the block table (the varlen causal kernel for prompts and chunks, the packed decode for the decode
-requests, which the builder asks vLLM to put first). As in the model, `LAZY_ATTENTION_BACKEND` (auto | triton |
-torch) chooses; `triton` with `TRITON_INTERPRET=1` runs the kernels on CPU tensors (the tests do).
+On CUDA, steps 3 and 4 are replaced by one Triton op per layer, `lazy_attention_paged` (`lazy_llama::triton_paged`),
+which reads K and V through the block table (the varlen causal kernel for prompts and chunks, the packed decode for
+the decode requests, which the builder asks vLLM to put first). As in the model, `LAZY_ATTENTION_BACKEND` (auto |
+triton | torch) chooses; `triton` with `TRITON_INTERPRET=1` runs the kernels on CPU tensors (the tests do).
 
 The cached K/V are post-RoPE keys and values, which do not depend on `tau` or the distance bias, so
 vLLM's prefix caching and chunked prefill work unchanged.
@@ -53,9 +54,8 @@ from vllm.v1.attention.backend import (
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
 from modeling_lazy.lazy_attention_cpu import cache_write_supported, decode_supported, lazy_cache_write, lazy_decode_cpu
+from modeling_lazy.lazy_attention_ops import lazy_attention, lazy_attention_paged, uses_triton
 from modeling_lazy.lazy_attention_reference import LazyMetadata
-from modeling_lazy.lazy_attention_torch import lazy_attention_torch
-from modeling_lazy.modeling_lazy import _lazy_backend
 
 BACKEND_NAME = "LAZY_ATTN"
 # Groups whose scores have at most this many elements (batch * heads * queries * keys; a decode batch of 64 at
@@ -120,8 +120,9 @@ class LazyServingMetadata(AttentionMetadata):
 
 
 def use_triton(device: torch.device) -> bool:
-    """The model's own choice (`LAZY_ATTENTION_BACKEND`): the paged Triton path on CUDA, PyTorch elsewhere."""
-    return _lazy_backend(torch.empty(0, device=device)) == "triton"
+    """The model's own choice (the op layer's `uses_triton`, from `LAZY_ATTENTION_BACKEND` and the device; every
+    cache dtype the backend supports runs on both paths): the paged Triton path on CUDA, PyTorch elsewhere."""
+    return uses_triton(device)
 
 
 def _lazy_metadata(q_pos: torch.Tensor, key_lengths: torch.Tensor, key_length: int, causal: bool) -> LazyMetadata:
@@ -256,11 +257,9 @@ class LazyAttentionImpl(AttentionImpl[LazyServingMetadata]):
             return output
         step = attn_metadata.paged
         if step is not None:
-            from modeling_lazy.lazy_attention_triton import lazy_attention_triton_paged  # needs triton
-
             count = attn_metadata.num_actual_tokens
-            out = lazy_attention_triton_paged(
-                query[:count], _page_views(kv_cache, self.head_size), step.block_table, step.query_start_loc,
+            out = lazy_attention_paged(
+                query[:count], *_page_views(kv_cache, self.head_size), step.block_table, step.query_start_loc,
                 step.seq_lens, self.tau, self.distance_bias, self.scale, max_query_len=step.max_query_len,
                 max_seq_len=step.max_seq_len, num_decodes=step.num_decodes)
             output[:count] = out.to(output.dtype)
@@ -280,8 +279,8 @@ class LazyAttentionImpl(AttentionImpl[LazyServingMetadata]):
                 kv = rows.index_select(0, group.kv_rows).view(2, group.batch, kv_heads, key_length, -1)
                 k, v = kv[0], kv[1]
                 q = query[group.token_index].view(group.batch, group.query_length, self.num_heads, self.head_size)
-                out = lazy_attention_torch(q.transpose(1, 2), k, v, self.tau, self.distance_bias, group.metadata,
-                                           self.scale)  # [B, Tq, Hq, Dv]
+                out = lazy_attention(q.transpose(1, 2), k, v, self.tau, self.distance_bias, group.metadata,
+                                     self.scale, backend="torch")  # [B, Tq, Hq, Dv]
                 out = out.reshape(-1, self.num_heads, out.shape[-1]).to(output.dtype)
                 if isinstance(group.token_index, slice):
                     output[group.token_index] = out

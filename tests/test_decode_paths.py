@@ -131,7 +131,7 @@ def test_decode_other_dtypes(dtype, rng_seed, monkeypatch):
 
 
 def test_training_never_takes_the_decode_path(rng_seed, monkeypatch):
-    """With gradients wanted, one query row still runs the autograd Function (and its gradients are right)."""
+    """With gradients wanted, one query row still runs the differentiable operator (and its gradients are right)."""
     def refuse(*args, **kwargs):
         raise AssertionError("the decode path is inference-only")
 

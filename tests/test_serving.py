@@ -228,10 +228,10 @@ assert (outputs["triton"][count:] == 0).all()  # padding rows untouched
 
 
 def test_triton_paged_path_equals_the_pytorch_path(tmp_path, rng_seed):
-    """On CUDA the backend runs the step through `lazy_attention_triton_paged`; here the same code under the Triton
-    interpreter (CPU tensors, `LAZY_ATTENTION_BACKEND=triton`) against the backend's PyTorch path, on one mixed step:
-    two decode requests first, a whole prompt, a chunk after 30 cached keys; shuffled pages, huge values in
-    unowned slots."""
+    """On CUDA the backend runs the step through `lazy_attention_paged` (the `lazy_llama::triton_paged` op); here the
+    same code under the Triton interpreter (CPU tensors, `LAZY_ATTENTION_BACKEND=triton`) against the backend's
+    PyTorch path, on one mixed step: two decode requests first, a whole prompt, a chunk after 30 cached keys; shuffled
+    pages, huge values in unowned slots."""
     pytest.importorskip("triton")
     script = tmp_path / "triton_step.py"
     script.write_text(TRITON_STEP)
@@ -288,7 +288,7 @@ def test_cpu_path_reads_only_owned_cache_rows_and_runs_small_groups_on_one_threa
     query = torch.randn(int(starts[-1]), heads, dim, generator=gen).to(dtype)
 
     threads_seen = []
-    for name in ("lazy_attention_torch", "lazy_decode_cpu"):
+    for name in ("lazy_attention", "lazy_decode_cpu"):
         monkeypatch.setattr(backend, name, lambda *args, op=getattr(backend, name), **kwargs: threads_seen.append(
             (op.__name__, torch.get_num_threads())) or op(*args, **kwargs))
     monkeypatch.setattr(backend, "_ONE_THREAD_MAX_ELEMENTS", 1000)  # decodes 3 * 4 * 40 keys; the chunk 4 * 20 * 25
@@ -299,8 +299,8 @@ def test_cpu_path_reads_only_owned_cache_rows_and_runs_small_groups_on_one_threa
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(threads)
-    decodes = "lazy_decode_cpu" if decode == "c-kernel" else "lazy_attention_torch"
-    assert threads_seen == [(decodes, 1), ("lazy_attention_torch", 2)]
+    decodes = "lazy_decode_cpu" if decode == "c-kernel" else "lazy_attention"
+    assert threads_seen == [(decodes, 1), ("lazy_attention", 2)]
 
     for r, (m, n) in enumerate(zip(q_lens, seq_lens)):
         q = query[int(starts[r]): int(starts[r + 1])].double()  # [m, Hq, D]

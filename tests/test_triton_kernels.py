@@ -290,9 +290,11 @@ def causal_fast_path(kernels):
     short enough for all three key ranges (beyond the window, inside it, at the causal limit) and longer than the
     sequence, odd lengths, GQA, tau of both signs, D 64 and 128, a chunked prefill after cached keys (key offset),
     and both block tables."""
+    import modeling_lazy.lazy_attention_ops as ops  # the op layer launches what its decision table picks
+
     calls = []
-    forward, backward, family = kernels._causal_forward, kernels._causal_backward, kernels._gpu_family
-    kernels._causal_forward = lambda *args: calls.append("forward") or forward(*args)
+    forward, backward, family = ops._causal_forward, kernels._causal_backward, kernels._gpu_family
+    ops._causal_forward = lambda *args: calls.append("forward") or forward(*args)
     kernels._causal_backward = lambda *args: calls.append("backward") or backward(*args)
     try:
         errors = {}
@@ -301,7 +303,7 @@ def causal_fast_path(kernels):
             inputs = make_inputs(bsz, heads, kv_heads, q_len, k_len, dim, window, dtype, tau)
             errors[name] = check(kernels, inputs, metadata(bsz, q_len, k_len), dtype, causal=True)
     finally:
-        kernels._causal_forward, kernels._causal_backward, kernels._gpu_family = forward, backward, family
+        ops._causal_forward, kernels._causal_backward, kernels._gpu_family = forward, backward, family
     assert calls == ["forward", "backward"] * len(CAUSAL_CASES), calls
     return errors
 
@@ -312,29 +314,31 @@ def causal_forward_stores_u(kernels):
     key ranges, a key offset, D 64 and 128, tau of both signs; the output is the inference forward's. Through
     `lazy_attention_triton` U is stored only with grad mode on (under no_grad tau and distance_bias still require
     grad, but no backward can follow)."""
+    import modeling_lazy.lazy_attention_ops as ops  # the op layer launches what its decision table picks
+
     errors, stored = {}, []
     cases = {"sm90-three-ranges": (150, 150, 64, 16, "sm90"), "sm80-after-cache-d128": (40, 100, 128, 24, "sm80")}
-    family, forward = kernels._gpu_family, kernels._causal_forward
+    family, forward = kernels._gpu_family, ops._causal_forward
     try:
         for name, (q_len, k_len, dim, window, blocks) in cases.items():
             kernels._gpu_family = lambda device, blocks=blocks: blocks
             query, key, value, tau, bias, _ = make_inputs(1, 2, 1, q_len, k_len, dim, window, torch.float32,
                                                           [0.4, -0.5])
             meta, scaling = metadata(1, q_len, k_len), dim ** -0.5
-            out, _, stats, u = kernels._forward(query, key, value, tau, bias, *int32(meta), scaling, causal=True,
-                                                store_u=True)
-            plain = kernels._forward(query, key, value, tau, bias, *int32(meta), scaling, causal=True)
-            assert stats is None and len(plain) == 3 and u.dtype == torch.float32, (stats, len(plain), u.dtype)
+            q_pos, block_d = int32(meta)[0], kernels._check_inputs(query, key)
+            out, _, u = kernels._causal_forward(query, key, value, tau, bias, q_pos, scaling, block_d, store_u=True)
+            plain = kernels._causal_forward(query, key, value, tau, bias, q_pos, scaling, block_d)
+            assert plain[2] is None and u.dtype == torch.float32, (plain[2], u.dtype)
             torch.testing.assert_close(out, plain[0], rtol=1e-5, atol=1e-6)
             weights, v = reference_weights(query, key, value, tau, bias, *meta, scaling)
             errors[name] = relative_error(u, ((weights > 0).double() @ v).transpose(1, 2))
-        kernels._causal_forward = lambda *args: stored.append(args[-1]) or forward(*args)
+        ops._causal_forward = lambda *args: stored.append(args[-1]) or forward(*args)
         params = (tau.requires_grad_(), bias.requires_grad_())
         with torch.no_grad():
             kernels.lazy_attention_triton(query, key, value, *params, as_metadata(*meta, causal=True), scaling)
         kernels.lazy_attention_triton(query, key, value, *params, as_metadata(*meta, causal=True), scaling)
     finally:
-        kernels._gpu_family, kernels._causal_forward = family, forward
+        kernels._gpu_family, ops._causal_forward = family, forward
     assert stored == [False, True], stored
     assert max(errors.values()) < TOLERANCE[torch.float32], errors
     return errors
@@ -440,9 +444,11 @@ def packed_decode_skips_dead_value_tiles(kernels):
 def packed_decode_dispatch(kernels):
     """`lazy_attention_triton` on decode-shaped calls with plain causal metadata runs the packed decode; output and
     gradients (the general backward from its row log-sum-exp) against the float64 reference."""
+    import modeling_lazy.lazy_attention_ops as ops  # the op layer launches what its decision table picks
+
     calls = []
-    original = kernels._packed_decode
-    kernels._packed_decode = lambda *args, **kw: calls.append(1) or original(*args, **kw)
+    original = ops._packed_decode
+    ops._packed_decode = lambda *args, **kw: calls.append(1) or original(*args, **kw)
     try:
         errors = {}
         for name, (dtype, bsz, heads, kv_heads, q_len, k_len, dim, window, tau) in {
@@ -452,7 +458,7 @@ def packed_decode_dispatch(kernels):
             inputs = make_inputs(bsz, heads, kv_heads, q_len, k_len, dim, window, dtype, tau)
             errors[name] = check(kernels, inputs, metadata(bsz, q_len, k_len), dtype, key_view=True, causal=True)
     finally:
-        kernels._packed_decode = original
+        ops._packed_decode = original
     assert len(calls) == 2, calls
     return errors
 
@@ -605,10 +611,10 @@ def refuses_what_it_cannot_run(kernels):
 
 def model_greedy_generation_matches_eager(kernels):
     """LazyLlama with "lazy" on the interpreted Triton kernels generates eager's greedy tokens (left padding)."""
+    import modeling_lazy.lazy_attention_ops as ops
     import modeling_lazy.modeling_lazy as modeling
     from modeling_lazy import LazyLlamaConfig, LazyLlamaForCausalLM
 
-    assert modeling.lazy_attention_triton is kernels.lazy_attention_triton
     torch.manual_seed(0)
     config = LazyLlamaConfig(vocab_size=97, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                              num_attention_heads=2, num_key_value_heads=1, lazy_bias_window=16,
@@ -621,19 +627,26 @@ def model_greedy_generation_matches_eager(kernels):
     input_ids = torch.tensor([[5, 17, 42, 8, 63, 21, 9, 30, 2, 77, 4], [0, 0, 0, 0, 12, 33, 7, 61, 25, 3, 90]])
     attention_mask = torch.tensor([[1] * 11, [0] * 4 + [1] * 7])
     kwargs = dict(attention_mask=attention_mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
-    assert modeling._lazy_backend(torch.zeros(1)) == "triton"
-    calls = []
-    original = modeling.lazy_attention_triton
-    modeling.lazy_attention_triton = lambda *args: calls.append(1) or original(*args)
+    assert ops.uses_triton(torch.device("cpu"))
+    calls = []  # the kernel the op layer's table picks for each call
+    original = modeling.lazy_attention
+
+    def counted(query, key, value, tau, bias, meta, scaling):
+        calls.append(ops.choose_kernel(query.device, query.dtype, query.shape[2], query.shape[0], meta.causal,
+                                       meta.static_buffer, False))
+        return original(query, key, value, tau, bias, meta, scaling)
+
+    modeling.lazy_attention = counted
     try:
         with torch.no_grad():
             lazy_tokens = model.generate(input_ids, **kwargs)
     finally:
-        modeling.lazy_attention_triton = original
+        modeling.lazy_attention = original
     model.set_attn_implementation("eager")
     with torch.no_grad():
         eager_tokens = model.generate(input_ids, **kwargs)
-    assert len(calls) == 2 * 6  # 2 layers x (prefill + 5 decode steps) all ran on the Triton kernels
+    # 2 layers x (prefill + 5 decode steps) all ran on the Triton kernels (the general one: the batch is padded)
+    assert calls == ["triton"] * (2 * 6), calls
     assert torch.equal(lazy_tokens, eager_tokens), (lazy_tokens, eager_tokens)
     return {"tokens": lazy_tokens.tolist()}
 

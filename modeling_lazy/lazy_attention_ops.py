@@ -1,0 +1,390 @@
+"""Lazy Attention as PyTorch operators (namespace `lazy_llama`), and the one table that picks a kernel.
+
+Every caller (the model's `"lazy"` attention, the vLLM backend, benchmarks, tests) calls `lazy_attention` (or, for
+a vLLM step against the paged cache, `lazy_attention_paged`). `choose_kernel` decides from the device, grad mode,
+query rows, layout, dtype and `LAZY_ATTENTION_BACKEND` which kernel runs; each kernel family is a registered
+operator, so `torch.compile`, `make_fx` and `torch.export` see one node per call (no graph break) and run the
+project's kernels in the compiled program:
+
+    lazy_llama::attention                  the PyTorch path (CPU, or any device without triton); inference picks
+                                           its kernel inside (SDPA at tau = 0, the fused C decode, the one-row and
+                                           few-row decodes, the chunked prefill); training the chunked forward
+    lazy_llama::attention_backward         its recomputing backward
+    lazy_llama::triton_attention           Triton forward: the general layout, or (`causal`) the causal fast path
+    lazy_llama::triton_attention_backward  its backward
+    lazy_llama::triton_decode              Triton packed decode (causal layout, <= 16 query rows)
+    lazy_llama::triton_paged               one vLLM step (prompts, chunks, decode tokens) against the paged cache
+
+The Triton ops are `torch.library.triton_op`s whose launches go through `wrap_triton`: compile and export trace
+their bodies (the launch becomes a graph node inductor schedules), and the same body, run on fake tensors, is their
+fake implementation. The PyTorch ops are `custom_op`s with a `register_fake`. Autograd is registered on the
+forward ops (`register_autograd`), the backward being the matching `*_backward` op.
+
+Operators take tensors and scalars only, so a `LazyMetadata` travels as its tensors (`q_pos, k_pos, q_seg, k_seg`)
+and its `causal` flag; the key offset is `Tk - Tq` of those tensors, except for a static cache's whole buffer under
+torch.compile, where it is a 0-d tensor (`key_offset`): a growing cache changes a tensor's value, not a shape or a
+constant, so decoding never recompiles.
+"""
+
+import os
+
+import torch
+
+from .lazy_attention_cpu import decode_supported
+from .lazy_attention_reference import LazyMetadata, _is_causal_layout
+from .lazy_attention_torch import softmax_only, torch_backward, torch_forward
+
+try:
+    from .lazy_attention_triton import (
+        DECODE_MAX_QUERIES,
+        _backward,
+        _causal_forward,
+        _check_inputs,
+        _forward,
+        _packed_decode,
+        lazy_attention_triton_paged,
+    )
+except ImportError:  # triton not installed (CPU-only or Hub users): the PyTorch path serves every device
+    _forward = None
+    DECODE_MAX_QUERIES = 16
+
+BACKEND_ENV = "LAZY_ATTENTION_BACKEND"
+BACKENDS = ("auto", "triton", "torch")
+TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# Query rows up to which inference takes a decode kernel rather than a prefill (the Triton packed decode and the
+# PyTorch few-row decode; `tl.dot` needs tiles of >= 16 rows).
+DECODE_ROWS = DECODE_MAX_QUERIES
+
+
+# ---------------------------------------------------------------------------------------------------
+# The decision table
+# ---------------------------------------------------------------------------------------------------
+
+
+def requested_backend(backend: str | None = None) -> str:
+    """`backend`, or `LAZY_ATTENTION_BACKEND` (read at every call) when None: auto | triton | torch; a bad value is
+    refused."""
+    choice = (os.environ.get(BACKEND_ENV, "auto") if backend is None else backend).strip().lower()
+    if choice not in BACKENDS:
+        raise ValueError(f"{BACKEND_ENV} (or backend=) must be one of auto, triton, torch; got {choice!r}.")
+    return choice
+
+
+def triton_runs_on(device: torch.device) -> bool:
+    """True when the Triton kernels can run on `device`: triton installed, and CUDA (or TRITON_INTERPRET=1 set
+    before import, which runs them on CPU tensors)."""
+    interpreting = os.environ.get("TRITON_INTERPRET", "0") == "1"
+    return _forward is not None and (device.type == "cuda" or interpreting)
+
+
+def uses_triton(device: torch.device, dtype: torch.dtype = torch.float32, backend: str | None = None) -> bool:
+    """True when calls on `device` in `dtype` go to the Triton kernels. `backend` (default: `LAZY_ATTENTION_BACKEND`)
+    `auto`: CUDA and a float16/bfloat16/float32 dtype; `triton`: always, refused where the kernels cannot run;
+    `torch`: never."""
+    choice = requested_backend(backend)
+    if choice == "torch":
+        return False
+    if choice == "triton":
+        if not triton_runs_on(device):
+            raise RuntimeError(
+                f"{BACKEND_ENV}=triton needs the `triton` package and CUDA tensors (or TRITON_INTERPRET=1 set "
+                "before import to run the kernels on CPU). Install triton or set the variable to auto/torch."
+            )
+        return True
+    return device.type == "cuda" and dtype in TRITON_DTYPES and triton_runs_on(device)
+
+
+def choose_kernel(device: torch.device, dtype: torch.dtype, query_rows: int, batch: int, causal: bool,
+                  static_buffer: bool, needs_grad: bool, *, backend: str | None = None, softmax_only: bool = False,
+                  native_layout: bool = False) -> str:
+    """The kernel for one attention call: the whole routing of LazyLlama in one table, read top to bottom.
+
+    Args: the query's device and dtype, query rows `Tq`, batch `B`, the metadata's layout (`causal`;
+    `static_buffer`: a static cache's whole buffer under torch.compile), whether a backward follows (`needs_grad`),
+    `backend` (None: `LAZY_ATTENTION_BACKEND`), and two facts only real tensors give (asked inside the PyTorch op;
+    False at trace time): `softmax_only` (tau and the distance bias all zero, and SDPA's causal mask aligned: one
+    query row or no cached keys) and `native_layout` (key and value in the query's dtype with contiguous channels,
+    the native op's layout: `lazy_attention_cpu.decode_supported`, which also says whether the op is installed).
+
+        Triton (uses_triton: LAZY_ATTENTION_BACKEND, device, dtype); a static buffer only for one query row
+          causal, training or Tq > 16                     triton_causal  (the causal fast path; training stores U
+                                                                          for its backward; <= 16 rows: the packed
+                                                                          decode forward, the general backward)
+          causal, inference, Tq <= 16                     triton_decode  (the packed decode, split-K)
+          otherwise (padding, packing, a static buffer)   triton         (the general kernels)
+        PyTorch (lazy_llama::attention)
+          training                                        torch_train    (chunked forward, recomputing backward)
+          tau = 0 and zero bias, causal, float32/64       torch_sdpa     (scaled_dot_product_attention)
+          Tq = 1, causal, native op takes the tensors     cpu_decode     (the native decode op)
+          Tq = 1, B = 1, causal                           torch_one_row  (five ops)
+          Tq <= 16                                        torch_decode   (one pass, any layout)
+          otherwise                                       torch_prefill  (chunked, inference)
+    """
+    if uses_triton(device, dtype, backend) and not (static_buffer and query_rows > 1):
+        if causal and (needs_grad or query_rows > DECODE_ROWS):
+            return "triton_causal"
+        return "triton_decode" if causal else "triton"
+    if needs_grad:
+        return "torch_train"
+    plain_row = query_rows == 1 and causal and not static_buffer
+    if softmax_only and causal and not static_buffer and dtype in (torch.float32, torch.float64):
+        return "torch_sdpa"
+    if plain_row and device.type == "cpu" and native_layout and not torch.compiler.is_compiling():
+        return "cpu_decode"
+    if plain_row and batch == 1:
+        return "torch_one_row"
+    return "torch_decode" if query_rows <= DECODE_ROWS else "torch_prefill"
+
+
+# ---------------------------------------------------------------------------------------------------
+# The PyTorch path as operators (any device; the CPU's kernels)
+# ---------------------------------------------------------------------------------------------------
+
+
+def _concrete_metadata(q_pos, k_pos, q_seg, k_seg, key_offset, causal, training) -> LazyMetadata:
+    """The `LazyMetadata` of an operator call, with an int key offset: a static cache's buffer (`key_offset` a 0-d
+    tensor) is cut to its written keys, and for inference its layout is checked again, so that the op runs the
+    eager kernels (training keeps the general layout: the forward's saved statistics are the general path's)."""
+    q_len = q_pos.shape[1]
+    if key_offset is None:
+        offset = k_pos.shape[1] - q_len
+    else:
+        offset = int(key_offset)
+        k_pos, k_seg = k_pos[:, : offset + q_len], k_seg[:, : offset + q_len]
+        causal = not training and _is_causal_layout(q_pos, k_pos, q_seg, k_seg, offset)
+    return LazyMetadata(q_pos, k_pos, q_seg, k_seg, offset, causal, q_pos, k_pos)
+
+
+def _torch_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, tau: torch.Tensor,
+                     distance_bias: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor, q_seg: torch.Tensor,
+                     k_seg: torch.Tensor, key_offset: torch.Tensor | None, causal: bool, scaling: float,
+                     training: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(out [B, Tq, Hq, D] query dtype, lse [B, Hq, Tq] of the general layout when training, else [0])`."""
+    metadata = _concrete_metadata(q_pos, k_pos, q_seg, k_seg, key_offset, causal, training)
+    if training:
+        kernel = "torch_train"
+    else:
+        native = decode_supported(query, key, value)
+        kernel = choose_kernel(query.device, query.dtype, query.shape[2], query.shape[0], metadata.causal, False, False,
+                               backend="torch", softmax_only=softmax_only(query, tau, distance_bias, metadata),
+                               native_layout=native)
+    out, lse = torch_forward(kernel, query, key, value, tau, distance_bias, metadata, scaling)
+    # contiguous, as the fake implementation says (the decode kernels give a transposed view)
+    return out.contiguous(), query.new_empty(0, dtype=torch.float32) if lse is None else lse
+
+
+def _torch_attention_backward(grad_out: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                              tau: torch.Tensor, distance_bias: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
+                              q_seg: torch.Tensor, k_seg: torch.Tensor, key_offset: torch.Tensor | None,
+                              lse: torch.Tensor, causal: bool, scaling: float
+                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    metadata = _concrete_metadata(q_pos, k_pos, q_seg, k_seg, key_offset, causal, True)
+    return torch_backward(grad_out, query, key, value, tau, distance_bias, metadata,
+                          None if lse.numel() == 0 and metadata.causal else lse, scaling)
+
+
+def _torch_attention_fake(query, key, value, tau, distance_bias, q_pos, k_pos, q_seg, k_seg, key_offset, causal,
+                          scaling, training):
+    bsz, num_heads, q_len, _ = query.shape
+    out = query.new_empty(bsz, q_len, num_heads, value.shape[-1])
+    general = training and (not causal or key_offset is not None)
+    dtype = torch.float64 if query.dtype == torch.float64 else torch.float32  # the compute dtype
+    return out, query.new_empty((bsz, num_heads, q_len) if general else (0,), dtype=dtype)
+
+
+def _torch_attention_backward_fake(grad_out, query, key, value, tau, distance_bias, q_pos, k_pos, q_seg, k_seg,
+                                   key_offset, lse, causal, scaling):
+    return (torch.empty_like(query), torch.empty_like(key), torch.empty_like(value), torch.empty_like(tau),
+            torch.empty_like(distance_bias))
+
+
+def _torch_setup_context(ctx, inputs, output):
+    (query, key, value, tau, distance_bias, q_pos, k_pos, q_seg, k_seg, key_offset, causal, scaling, _) = inputs
+    ctx.save_for_backward(query, key, value, tau, distance_bias, q_pos, k_pos, q_seg, k_seg, output[1])
+    ctx.key_offset, ctx.causal, ctx.scaling = key_offset, causal, scaling
+
+
+def _torch_autograd(ctx, grad_out, _grad_lse):
+    query, key, value, tau, distance_bias, q_pos, k_pos, q_seg, k_seg, lse = ctx.saved_tensors
+    grads = torch.ops.lazy_llama.attention_backward(grad_out, query, key, value, tau, distance_bias, q_pos, k_pos,
+                                                    q_seg, k_seg, ctx.key_offset, lse, ctx.causal, ctx.scaling)
+    return (*grads, None, None, None, None, None, None, None, None)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The Triton kernels as operators (CUDA; CPU tensors under TRITON_INTERPRET=1)
+# ---------------------------------------------------------------------------------------------------
+
+
+def _triton_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, tau: torch.Tensor,
+                      distance_bias: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor, q_seg: torch.Tensor,
+                      k_seg: torch.Tensor, causal: bool, store_u: bool, scaling: float
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`(out [B, Tq, Hq, D], lse [B, Hq, Tq] float32, u)`: `causal` (the plain causal layout) runs the causal fast
+    path (`u` = its U when `store_u`, for the backward; `tl.dot` needs 16 rows, so <= 16 rows run the packed decode,
+    whose backward is the general one), otherwise the general kernel (key offset `Tk - Tq`); u is `[0]` when not
+    stored."""
+    if causal and query.shape[2] > DECODE_MAX_QUERIES:
+        out, lse, u = _causal_forward(query, key, value, tau, distance_bias, q_pos, scaling,
+                                      _check_inputs(query, key), store_u)
+    elif causal:
+        key_lengths = torch.full((query.shape[0],), key.shape[2], dtype=torch.int32, device=query.device)
+        (out, lse), u = _packed_decode(query, key, value, tau, distance_bias, q_pos, key_lengths, scaling), None
+    else:
+        (out, lse, _), u = _forward(query, key, value, tau, distance_bias, q_pos, k_pos, q_seg, k_seg, scaling), None
+    return out, lse, lse.new_empty(0) if u is None else u
+
+
+def _triton_attention_backward(grad_out: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                               tau: torch.Tensor, distance_bias: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
+                               q_seg: torch.Tensor, k_seg: torch.Tensor, lse: torch.Tensor, out: torch.Tensor,
+                               u: torch.Tensor, causal: bool, scaling: float
+                               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    dq, dk, dv, d_tau, d_bias = _backward(grad_out, query, key, value, tau, distance_bias, q_pos, k_pos, q_seg, k_seg,
+                                          lse, scaling, causal=causal, out=out, u=u)
+    return dq, dk, dv, d_tau.to(tau.dtype), d_bias.to(distance_bias.dtype)
+
+
+def _triton_setup_context(ctx, inputs, output):
+    query, key, value, tau, distance_bias, q_pos, k_pos, q_seg, k_seg, causal, _, scaling = inputs
+    out, lse, u = output
+    ctx.save_for_backward(query, key, value, tau, distance_bias, q_pos, k_pos, q_seg, k_seg, lse, out, u)
+    ctx.causal, ctx.scaling = causal, scaling
+
+
+def _triton_autograd(ctx, grad_out, _grad_lse, _grad_u):
+    query, key, value, tau, distance_bias, q_pos, k_pos, q_seg, k_seg, lse, out, u = ctx.saved_tensors
+    grads = torch.ops.lazy_llama.triton_attention_backward(grad_out, query, key, value, tau, distance_bias, q_pos,
+                                                           k_pos, q_seg, k_seg, lse, out, u, ctx.causal, ctx.scaling)
+    return (*grads, None, None, None, None, None, None, None)
+
+
+def _triton_decode(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, tau: torch.Tensor,
+                   distance_bias: torch.Tensor, q_pos: torch.Tensor, key_lengths: torch.Tensor, scaling: float
+                   ) -> torch.Tensor:
+    """`out [B, Tq, Hq, D]`: query row t of batch row b stands at key index `key_lengths[b] - Tq + t`."""
+    return _packed_decode(query, key, value, tau, distance_bias, q_pos, key_lengths, scaling)[0]
+
+
+def _triton_paged(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, block_table: torch.Tensor,
+                  query_start_loc: torch.Tensor, seq_lens: torch.Tensor, tau: torch.Tensor, distance_bias: torch.Tensor,
+                  scaling: float, max_query_len: int | None, max_seq_len: int | None, num_decodes: int
+                  ) -> torch.Tensor:
+    """`out [T, Hq, D]` of one vLLM step (see `lazy_attention_triton_paged`)."""
+    return lazy_attention_triton_paged(query, (key_cache, value_cache), block_table, query_start_loc, seq_lens, tau,
+                                       distance_bias, scaling, max_query_len=max_query_len, max_seq_len=max_seq_len,
+                                       num_decodes=num_decodes)
+
+
+def _triton_attention_fake(query, key, value, tau, distance_bias, q_pos, k_pos, q_seg, k_seg, causal, store_u,
+                           scaling):
+    bsz, num_heads, q_len, dim = query.shape
+    f32 = dict(dtype=torch.float32, device=query.device)
+    u = (bsz, q_len, num_heads, dim) if causal and store_u and q_len > DECODE_MAX_QUERIES else (0,)
+    return query.new_empty(bsz, q_len, num_heads, dim), torch.empty(bsz, num_heads, q_len, **f32), torch.empty(u, **f32)
+
+
+def _triton_attention_backward_fake(grad_out, query, key, value, tau, distance_bias, q_pos, k_pos, q_seg, k_seg, lse,
+                                    out, u, causal, scaling):
+    return (torch.empty_like(query), torch.empty_like(key), torch.empty_like(value), torch.empty_like(tau),
+            torch.empty_like(distance_bias))
+
+
+def _triton_decode_fake(query, key, value, tau, distance_bias, q_pos, key_lengths, scaling):
+    bsz, num_heads, q_len, dim = query.shape
+    return query.new_empty(bsz, q_len, num_heads, dim)
+
+
+def _triton_paged_fake(query, key_cache, value_cache, block_table, query_start_loc, seq_lens, tau, distance_bias,
+                       scaling, max_query_len, max_seq_len, num_decodes):
+    return torch.empty_like(query)
+
+
+def _registered(name: str) -> bool:
+    """True when `lazy_llama::<name>` exists already: the installed package and a checkpoint's flat copy of these
+    files (trust_remote_code) share the operator registry, and the first one to load registers."""
+    return hasattr(torch.ops.lazy_llama, name)
+
+
+def _register() -> None:
+    if not _registered("attention"):
+        op = torch.library.custom_op("lazy_llama::attention", _torch_attention, mutates_args=())
+        op.register_fake(_torch_attention_fake)
+        backward = torch.library.custom_op("lazy_llama::attention_backward", _torch_attention_backward,
+                                           mutates_args=())
+        backward.register_fake(_torch_attention_backward_fake)
+        op.register_autograd(_torch_autograd, setup_context=_torch_setup_context)
+    if _forward is not None and not _registered("triton_attention"):
+        for name, launch, fake in (("triton_attention", _triton_attention, _triton_attention_fake),
+                                   ("triton_attention_backward", _triton_attention_backward,
+                                    _triton_attention_backward_fake),
+                                   ("triton_decode", _triton_decode, _triton_decode_fake),
+                                   ("triton_paged", _triton_paged, _triton_paged_fake)):
+            # a fake of its own: the launchers' bodies can run on fake tensors only where `wrap_triton` traces
+            # (not under TRITON_INTERPRET=1, which launches at once)
+            torch.library.triton_op(f"lazy_llama::{name}", launch, mutates_args=()).register_fake(fake)
+        torch.library.register_autograd("lazy_llama::triton_attention", _triton_autograd,
+                                        setup_context=_triton_setup_context)
+
+
+_register()
+
+
+# ---------------------------------------------------------------------------------------------------
+# The public entry points
+# ---------------------------------------------------------------------------------------------------
+
+
+def _tracing(query: torch.Tensor) -> bool:
+    """True under torch.compile / export / make_fx (or with fake tensors): calls must be operators then."""
+    return (torch.compiler.is_compiling() or type(query) not in (torch.Tensor, torch.nn.Parameter)
+            or torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.PROXY) is not None)
+
+
+def lazy_attention(query, key, value, tau, distance_bias, metadata: LazyMetadata, scaling, backend: str | None = None):
+    """Lazy Attention through the op layer: `out [B, Tq, Hq, D]` in the query dtype, differentiable in query, key,
+    value, tau and distance_bias.
+
+    Args:
+        query: `[B, Hq, Tq, D]`; key, value: `[B, Hkv, >= Tk, D]` (a static cache may hand over its whole buffer).
+        tau: `[Hq]`; distance_bias: `[Hq, W]`; metadata: the call's `LazyMetadata`; scaling: the score scale.
+        backend: None (read `LAZY_ATTENTION_BACKEND`), or `"triton"` / `"torch"` to force one for this call.
+    """
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value, tau, distance_bias))
+    kernel = choose_kernel(query.device, query.dtype, query.shape[2], query.shape[0], metadata.causal,
+                           metadata.static_buffer, needs_grad, backend=backend)
+    scaling = float(scaling)
+    if kernel.startswith("torch"):
+        key_offset = metadata.key_offset if metadata.static_buffer else None
+        if not needs_grad and not _tracing(query):  # eager inference: the op's body without the dispatcher's cost
+            return _torch_attention(query, key, value, tau, distance_bias, metadata.q_pos, metadata.k_pos,
+                                    metadata.q_seg, metadata.k_seg, key_offset, metadata.causal, scaling, False)[0]
+        return torch.ops.lazy_llama.attention(query, key, value, tau, distance_bias, metadata.q_pos, metadata.k_pos,
+                                              metadata.q_seg, metadata.k_seg, key_offset, metadata.causal, scaling,
+                                              needs_grad)[0]
+    if not metadata.static_buffer and key.shape[2] != metadata.key_length:  # the kernels take the key offset
+        k_len = metadata.key_length                                            # from the shapes (Tk - Tq)
+        key, value = key.narrow(2, 0, k_len), value.narrow(2, 0, k_len)
+    q_pos, k_pos = metadata.q_pos32, metadata.k_pos32
+    if kernel == "triton_decode":
+        key_lengths = torch.full((query.shape[0],), key.shape[2], dtype=torch.int32, device=query.device)
+        return torch.ops.lazy_llama.triton_decode(query, key, value, tau, distance_bias, q_pos, key_lengths, scaling)
+    return torch.ops.lazy_llama.triton_attention(query, key, value, tau, distance_bias, q_pos, k_pos, metadata.q_seg,
+                                                 metadata.k_seg, kernel == "triton_causal", needs_grad, scaling)[0]
+
+
+def lazy_attention_paged(query, key_cache, value_cache, block_table, query_start_loc, seq_lens, tau, distance_bias,
+                         scaling, max_query_len=None, max_seq_len=None, num_decodes=0) -> torch.Tensor:
+    """One vLLM step against the paged cache with the Triton kernels (`lazy_llama::triton_paged`, forward only).
+
+    query `[T, Hq, D]`; key_cache, value_cache `[num_blocks, Hkv, block_size, D]` views; the other arguments as in
+    `lazy_attention_triton.lazy_attention_triton_paged`. Returns `[T, Hq, D]` in the query dtype.
+    """
+    if _forward is None:
+        raise RuntimeError("lazy_attention_paged runs the Triton kernels: install triton (the project's [gpu] extra).")
+    return torch.ops.lazy_llama.triton_paged(query, key_cache, value_cache, block_table, query_start_loc, seq_lens,
+                                             tau, distance_bias, float(scaling), max_query_len, max_seq_len,
+                                             num_decodes)
+
+
+__all__ = ["BACKEND_ENV", "choose_kernel", "lazy_attention", "lazy_attention_paged", "uses_triton"]
