@@ -176,9 +176,15 @@ def resolved(stat: dict | None) -> bool | None:
     return not interval[0] <= 0 <= interval[1]
 
 
-def summarise(cells: dict, reference: str, lazy: str) -> dict:
+def summarise(cells: dict, reference: str, lazy: str, by_prefix: bool = False) -> dict:
+    """Per cell: figures over seeds and paired differences against `reference` and `lazy`. With `by_prefix`, a
+    cell `P-NAME` is paired with `P-{reference}` and `P-{lazy}` (e.g. each training length with its own vanilla)."""
     out = {}
+    base_reference, base_lazy = reference, lazy
     for cell, seeds in cells.items():
+        if by_prefix:
+            prefix = cell.split("-", 1)[0]
+            reference, lazy = f"{prefix}-{base_reference}", f"{prefix}-{base_lazy}"
         keys = sorted({k for record in seeds.values() for k, v in record.items() if isinstance(v, (int, float))
                        and not isinstance(v, bool)})
         figures = {k: mean_std([seeds[s][k] for s in sorted(seeds) if k in seeds[s]]) for k in keys}
@@ -340,14 +346,18 @@ def main(argv=None) -> dict:
                         help="report learned distance-bias entries at distances START..STOP-1 of a results.json")
     parser.add_argument("--reference", default="vanilla")
     parser.add_argument("--lazy", default="lazy")
+    parser.add_argument("--by-prefix", action="store_true",
+                        help="pair each cell PREFIX-NAME with PREFIX-REFERENCE and PREFIX-LAZY (e.g. ctx64-vanilla)")
     args = parser.parse_args(argv)
     if args.bias_tail:
         report = bias_tail(args.folder, *args.bias_tail)
         print(json.dumps(report, indent=1))
         return report
-    summary = summarise(load_grid(args.folder), args.reference, args.lazy)
+    summary = summarise(load_grid(args.folder), args.reference, args.lazy, args.by_prefix)
     (args.folder / "summary.json").write_text(json.dumps(summary, indent=1))
     table = markdown(summary, args.reference, args.lazy)
+    if args.by_prefix:
+        table = f"Cells are paired within their prefix (`P-{args.reference}`, `P-{args.lazy}`).\n\n" + table
     (args.folder / "summary.md").write_text(table)
     print(table)
     return summary

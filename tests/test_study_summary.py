@@ -246,3 +246,15 @@ def test_single_seed_cells_get_a_document_interval_or_say_there_is_none(tmp_path
     table = (tmp_path / "summary.md").read_text()
     assert "(n=1) no interval" in table.split("| old |")[1].split("\n")[0]
     assert "(n=1, eval)" in table.split("| lazy |")[1].split("\n")[0]
+
+
+def test_by_prefix_pairs_each_length_with_its_own_reference(tmp_path):
+    for ctx, v in ((64, 11.0), (128, 10.0)):
+        write_run(tmp_path, f"ctx{ctx}-vanilla", 0, v)
+        write_run(tmp_path, f"ctx{ctx}-lazy", 0, v * 0.9)
+        write_run(tmp_path, f"ctx{ctx}-norelu", 0, v * 0.85)
+    summary = study_summary.main([str(tmp_path), "--by-prefix"])
+    for ctx in (64, 128):
+        assert summary[f"ctx{ctx}-lazy"]["paired"]["d_ppl@1x"]["mean"] == pytest.approx(-0.1)
+        assert summary[f"ctx{ctx}-norelu"]["paired"]["share_of_lazy_gain@1x"]["mean"] == pytest.approx(1.5)
+        assert summary[f"ctx{ctx}-norelu"]["paired"]["d_ppl_vs_lazy@1x"]["mean"] == pytest.approx(0.85 / 0.9 - 1)
