@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+PAIRED_FIGURES = ("sink", "sink_share", "sink@4x", "sink_share@4x")  # differences `cell - reference`, same seed
 FIGURES = ("sparsity", "sparsity_pooled", "surviving_mass", "removed_mass", "sink", "sink_share", "tile_density")
 
 
@@ -226,6 +227,11 @@ def summarise(cells: dict, reference: str, lazy: str, by_prefix: bool = False) -
                     if len(common_lazy) == 1 else None
                 paired[f"d_ppl_vs_lazy@{factor}"] = mean_std(
                     [seeds[s][key] / cells[lazy][s][key] - 1 for s in common_lazy], boot)
+        common = [s for s in sorted(seeds) if s in cells.get(reference, {})]
+        for fig in PAIRED_FIGURES:  # attention figures against the reference, same seed
+            both = [s for s in common if fig in seeds[s] and fig in cells[reference][s]]
+            if both and cell != reference:
+                paired[f"d_{fig}"] = mean_std([seeds[s][fig] - cells[reference][s][fig] for s in both])
         for stat in paired.values():
             stat["resolved"] = resolved(stat)
         entry["paired"] = paired

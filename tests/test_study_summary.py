@@ -258,3 +258,18 @@ def test_by_prefix_pairs_each_length_with_its_own_reference(tmp_path):
         assert summary[f"ctx{ctx}-lazy"]["paired"]["d_ppl@1x"]["mean"] == pytest.approx(-0.1)
         assert summary[f"ctx{ctx}-norelu"]["paired"]["share_of_lazy_gain@1x"]["mean"] == pytest.approx(1.5)
         assert summary[f"ctx{ctx}-norelu"]["paired"]["d_ppl_vs_lazy@1x"]["mean"] == pytest.approx(0.85 / 0.9 - 1)
+
+
+def test_attention_figures_are_paired_by_seed(tmp_path):
+    for s, (v, lz) in enumerate([(0.2, 0.5), (0.4, 0.6), (0.3, 0.7)]):
+        write_run(tmp_path, "vanilla", s, 10.0, sparsity=v)
+        write_run(tmp_path, "lazy", s, 9.0, sparsity=lz)
+    for s in range(3):  # put a sink share into every run: lazy's is 0.01 above vanilla's on every seed
+        for cell, extra in (("vanilla", 0.0), ("lazy", 0.01)):
+            path = tmp_path / cell / f"seed{s}" / "results.json"
+            data = json.loads(path.read_text())
+            data["runs"][cell]["eval"]["attention"]["mean"]["sink_share"] = 0.02 * s + extra
+            path.write_text(json.dumps(data))
+    summary = study_summary.main([str(tmp_path)])
+    d = summary["lazy"]["paired"]["d_sink_share"]
+    assert d["values"] == pytest.approx([0.01] * 3) and d["ci95"] == pytest.approx([0.01, 0.01])
