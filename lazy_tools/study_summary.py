@@ -304,6 +304,15 @@ def markdown(summary: dict, reference: str, lazy: str) -> str:
                      f"| {fmt(f.get('sink'), digits=4)} | {fmt(f.get('sink_share'), digits=4)} "
                      f"| {fmt(f.get('init_sparsity'))} "
                      f"| {fmt(f.get('init_surviving_mass'))} | {fmt(f.get('tau_mean'))} |")
+    sinks = [c for c, e in summary.items() if "d_sink_share" in e["paired"]]
+    if sinks:
+        lines += ["", f"Sink against `{reference}` (cell minus reference, same seed):", ""]
+        head = "| cell | d sink @1x | d sink share @1x | d sink @4x | d sink share @4x |"
+        lines += [head, "|" + "---|" * (head.count("|") - 1)]
+        for cell in sinks:
+            p = summary[cell]["paired"]
+            lines.append("| " + cell + " | " + " | ".join(fmt(p.get(f"d_{fig}"), digits=4, test=True)
+                                                          for fig in PAIRED_FIGURES) + " |")
     extra = [c for c, e in summary.items() if "sparsity@4x" in e["figures"]]
     if extra:
         lines += ["", "Attention at 2x / 4x the training length (fewer blocks):", ""]
