@@ -281,3 +281,9 @@ def test_per_document_losses_add_up_to_the_pooled_perplexity():
             scored = replicate.perplexity(model, torch.tensor(replicate.byte_tokens(doc)[:32]),
                                           context=16 * int(factor[0]))
             assert doc_nll == pytest.approx(scored["nll"] * scored["tokens"]) and doc_tokens == scored["tokens"]
+
+
+def test_tauinit_grid_is_the_sweeps_tau_cells():
+    assert [c for c, _ in replicate.GRIDS["tauinit"]] == ["tau0-lazy", "tau-0.25-lazy", "tau-0.5-lazy"]
+    args = replicate.parse_args(["--steps", "150", *replicate.GRIDS["tauinit"][1][1]])
+    assert args.variants == ["lazy"] and args.tau_init == -0.25 and args.steps == 150
