@@ -8,9 +8,9 @@ Variants (identical Llama weights at step 0, same data order, steps, optimizer a
 `VARIANTS` below. The controls change the attention only through wrappers and hooks defined here
 (`modeling_lazy` is untouched); `tests/test_study_variants.py` checks that each does what its name says.
 
-A grid (`--grid controls|sweeps|sizes|extrapolation`, `--seeds`, `--jobs`) runs many configurations as separate
-processes, one folder each under `--out`, skipping those already finished; `lazy_tools.study_summary` then
-pools them into mean +- std tables and paired differences.
+A grid (`--grid NAME`, one of `GRIDS`; `--seeds`, `--jobs`) runs many configurations as separate processes, one
+folder each under `--out`, skipping those already finished; `lazy_tools.study_summary` then pools them into means
+with 95% intervals and paired differences.
 
 Data choices (why):
 - Tokens are UTF-8 bytes (vocabulary 256, tied embeddings). SmolLM2's 49152-token vocabulary would make the
