@@ -594,6 +594,8 @@ def parse_args(argv=None):
     parser.add_argument("--nice", type=int, default=19, help="niceness of a grid's processes")
     parser.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)  # set by the grid itself
     args = parser.parse_args(argv)
+    if "loggain" in args.variants and args.gain_init <= 0:
+        parser.error(f"--gain-init must be > 0 for `loggain` (its gain is exp(g), g = log of it); got {args.gain_init}")
     args.steps *= args.steps_factor
     return args
 

@@ -287,3 +287,10 @@ def test_tauinit_grid_is_the_sweeps_tau_cells():
     assert [c for c, _ in replicate.GRIDS["tauinit"]] == ["tau0-lazy", "tau-0.25-lazy", "tau-0.5-lazy"]
     args = replicate.parse_args(["--steps", "150", *replicate.GRIDS["tauinit"][1][1]])
     assert args.variants == ["lazy"] and args.tau_init == -0.25 and args.steps == 150
+
+
+def test_loggain_with_a_non_positive_init_is_refused_in_one_line(capsys):
+    with pytest.raises(SystemExit):
+        replicate.parse_args(["--variants", "loggain", "--gain-init", "0"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].endswith("--gain-init must be > 0 for `loggain` (its gain is exp(g), g = log of it); got 0.0")
