@@ -131,6 +131,7 @@ GRIDS = {
 GRIDS["sizes"] = [cell for cell in GRIDS["sweeps"] if cell[0].startswith("size")]
 # the tau-init cells with 3 seeds, in the controls' folder so that they pair with its vanilla and lazy
 GRIDS["tauinit"] = [cell for cell in GRIDS["sweeps"] if cell[0].startswith("tau")]
+GRIDS["long"] = [cell for cell in GRIDS["sweeps"] if cell[0].startswith("long")]  # more seeds of the 7x runs
 GRIDS["budget128"] = [cell for cell in GRIDS["budget"] if cell[0].startswith("ctx128-")]  # more seeds at 128
 VOCAB = 256  # UTF-8 bytes
 EXTRAPOLATION = (1, 2, 4)  # evaluation windows, in multiples of the training length

@@ -285,6 +285,8 @@ def test_per_document_losses_add_up_to_the_pooled_perplexity():
 
 def test_tauinit_grid_is_the_sweeps_tau_cells():
     assert [c for c, _ in replicate.GRIDS["tauinit"]] == ["tau0-lazy", "tau-0.25-lazy", "tau-0.5-lazy"]
+    assert [c for c, _ in replicate.GRIDS["long"]] == ["long-vanilla", "long-lazy"]
+    assert replicate.parse_args(["--steps", "150", *replicate.GRIDS["long"][1][1]]).steps == 1050
     args = replicate.parse_args(["--steps", "150", *replicate.GRIDS["tauinit"][1][1]])
     assert args.variants == ["lazy"] and args.tau_init == -0.25 and args.steps == 150
 
