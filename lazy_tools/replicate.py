@@ -8,9 +8,9 @@ Variants (identical Llama weights at step 0, same data order, steps, optimizer a
 `VARIANTS` below. The controls change the attention only through wrappers and hooks defined here
 (`modeling_lazy` is untouched); `tests/test_study_variants.py` checks that each does what its name says.
 
-A grid (`--grid controls|sweeps|sizes|extrapolation`, `--seeds`, `--jobs`) runs many configurations as separate
-processes, one folder each under `--out`, skipping those already finished; `lazy_tools.study_summary` then
-pools them into mean +- std tables and paired differences.
+A grid (`--grid NAME`, one of `GRIDS`; `--seeds`, `--jobs`) runs many configurations as separate processes, one
+folder each under `--out`, skipping those already finished; `lazy_tools.study_summary` then pools them into means
+with 95% intervals and paired differences.
 
 Data choices (why):
 - Tokens are UTF-8 bytes (vocabulary 256, tied embeddings). SmolLM2's 49152-token vocabulary would make the
@@ -68,13 +68,19 @@ VARIANTS = {
     "bias_only": "LazyLlama with tau = 0 frozen (plain softmax); distance_bias learned",
     "tau_only": "LazyLlama with distance_bias = 0 frozen; tau learned from --tau-init",
     "norelu": "Elastic-Softmax without the ReLU: a = p + tau/n (no exact zeros); tau, distance_bias as lazy",
+    "shift_only": "the tau/n shift alone: a = p + tau/n = p - |tau|/n while tau < 0 (no ReLU, no distance bias: "
+                  "frozen at 0); tau learned from --tau-init",
     "scale0.1": "vanilla whose attention output (after o_proj) is multiplied by a fixed 0.1",
     "scale0.3": "vanilla whose attention output (after o_proj) is multiplied by a fixed 0.3",
+    "scale0.75": "vanilla whose attention output (after o_proj) is multiplied by a fixed 0.75",
     "scale1": "vanilla through the same scaling hook with 1.0 (identical to vanilla; a check of the hook)",
     "gain": "vanilla with a learnable per-head gain on each head's output (before o_proj), init --gain-init",
+    "loggain": "vanilla with a learnable per-head gain exp(g) (g init log --gain-init) trained at its own peak "
+               "learning rate --gain-lr, so that it can move far within the run",
     "small_oinit": "vanilla with o_proj initialised x0.02 (the attention output starts near zero)",
 }
-LAZY_VARIANTS = ("lazy", "bias_only", "tau_only", "norelu")
+LAZY_VARIANTS = ("lazy", "bias_only", "tau_only", "norelu", "shift_only")
+NORELU_VARIANTS = ("norelu", "shift_only")  # routed to `norelu_attention`
 PAPER_VARIANTS = ("vanilla", "lazy", "bias_only", "tau_only")  # the default set of one plain run
 
 # Grids: (cell name, extra arguments) run for every seed; the grid command's own arguments (--steps ...) come first,
@@ -102,6 +108,17 @@ GRIDS = {
         ("long-lazy", ["--variants", "lazy", "--steps-factor", "7"]),
     ],
     # more seeds of the size sweep (where does the sign flip?); the middle size is the controls grid's vanilla/lazy
+    # the mechanism arms: the shift alone, a modest fixed shrink, a gain that can move (150-step protocol)
+    "mechanism": [(v, ["--variants", v]) for v in ("shift_only", "scale0.75", "loggain")],
+    # equal token budgets: 150 steps x (16 x 128 / T) blocks of T bytes = 307,200 bytes at every length T; one
+    # bias window (1,024) that covers 4x every training length
+    "budget": [
+        (f"ctx{ctx}-{variant}", ["--variants", variant, "--context", str(ctx), "--batch-size", str(16 * 128 // ctx),
+                                 "--eval-span", "8", "--eval-docs", "25", *extra])
+        for ctx in (64, 128, 256)
+        for variant, extra in (("vanilla", []), ("lazy", ["--bias-window", "1024"]),
+                               ("norelu", ["--bias-window", "1024"]))
+    ],
     "extrapolation": [
         (f"ctx{ctx}-{name}", ["--variants", variant, "--context", str(ctx), "--eval-span", "8", "--sliding", "2",
                               "--eval-docs", "25", *extra])
@@ -112,6 +129,10 @@ GRIDS = {
 }
 # more seeds of the size sweep (where does the sign flip?); the middle size is the controls grid's vanilla/lazy
 GRIDS["sizes"] = [cell for cell in GRIDS["sweeps"] if cell[0].startswith("size")]
+# the tau-init cells with 3 seeds, in the controls' folder so that they pair with its vanilla and lazy
+GRIDS["tauinit"] = [cell for cell in GRIDS["sweeps"] if cell[0].startswith("tau")]
+GRIDS["long"] = [cell for cell in GRIDS["sweeps"] if cell[0].startswith("long")]  # more seeds of the 7x runs
+GRIDS["budget128"] = [cell for cell in GRIDS["budget"] if cell[0].startswith("ctx128-")]  # more seeds at 128
 VOCAB = 256  # UTF-8 bytes
 EXTRAPOLATION = (1, 2, 4)  # evaluation windows, in multiples of the training length
 
@@ -197,16 +218,23 @@ def add_output_scale(model, scale: float):
         layer.self_attn.o_proj.register_forward_hook(lambda module, inputs, output: output * scale)
 
 
-def add_head_gain(model, init: float):
-    """A learnable gain per head (`self_attn.head_gain [H]`) multiplying each head's output before o_proj."""
+def add_head_gain(model, init: float, log_scale: bool = False):
+    """A learnable gain per head multiplying each head's output before o_proj: `self_attn.head_gain [H]` itself,
+    or with `log_scale` `exp(self_attn.head_log_gain [H])` (initialised at `log(init)`)."""
+    if log_scale and init <= 0:
+        raise ValueError(f"--gain-init must be > 0 for a log-scale gain, got {init}")
     for layer in attention_layers(model):
         attn = layer.self_attn
         heads = attn.config.num_attention_heads
-        attn.head_gain = torch.nn.Parameter(torch.full((heads,), float(init)))
+        if log_scale:
+            attn.head_log_gain = torch.nn.Parameter(torch.full((heads,), math.log(init)))
+        else:
+            attn.head_gain = torch.nn.Parameter(torch.full((heads,), float(init)))
 
         def scale_heads(module, inputs, attn=attn):
             (x,) = inputs
-            shaped = x.view(*x.shape[:-1], attn.head_gain.numel(), -1) * attn.head_gain.to(x.dtype)[:, None]
+            gain = attn.head_log_gain.exp() if log_scale else attn.head_gain
+            shaped = x.view(*x.shape[:-1], gain.numel(), -1) * gain.to(x.dtype)[:, None]
             return (shaped.view_as(x),)
 
         attn.o_proj.register_forward_pre_hook(scale_heads)
@@ -224,6 +252,8 @@ def build_model(variant: str, args):
             add_output_scale(vanilla, float(variant.removeprefix("scale")))
         elif variant == "gain":
             add_head_gain(vanilla, args.gain_init)
+        elif variant == "loggain":
+            add_head_gain(vanilla, args.gain_init, log_scale=True)
         elif variant == "small_oinit":
             with torch.no_grad():
                 for layer in attention_layers(vanilla):
@@ -241,23 +271,29 @@ def build_model(variant: str, args):
             if variant == "bias_only":
                 attn.tau.zero_()
                 attn.tau.requires_grad_(False)
-            elif variant == "tau_only":
+            elif variant in ("tau_only", "shift_only"):
                 attn.distance_bias.zero_()
                 attn.distance_bias.requires_grad_(False)
-            if variant == "norelu":
+            if variant in NORELU_VARIANTS:
                 attn.config = RoutedConfig(model.config, NORELU_IMPLEMENTATION)
     return model
 
 
 def optimizer(model, args) -> torch.optim.AdamW:
-    """AdamW; weight decay on weight matrices only, never on norms, tau, distance_bias or head gains."""
-    decay, no_decay = [], []
+    """AdamW; weight decay on weight matrices only, never on norms, tau, distance_bias or head gains. Log-scale
+    head gains get their own group whose learning rate is `--gain-lr` (its `lr_scale` times the schedule)."""
+    decay, no_decay, log_gains = [], [], []
     for name, param in model.named_parameters():
         if not param.requires_grad:
+            continue
+        if name.endswith("self_attn.head_log_gain"):
+            log_gains.append(param)
             continue
         lazy_extra = is_lazy_parameter(name) or name.endswith("self_attn.head_gain")
         (decay if param.dim() >= 2 and not lazy_extra else no_decay).append(param)
     groups = [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    if log_gains:
+        groups.append({"params": log_gains, "weight_decay": 0.0, "lr_scale": args.gain_lr / args.lr})
     return torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95))
 
 
@@ -288,7 +324,7 @@ def train(model, blocks: torch.Tensor, args, log) -> dict:
     losses, start = [], time.time()
     for step in range(args.steps):
         for group in opt.param_groups:
-            group["lr"] = learning_rate(step, args)
+            group["lr"] = learning_rate(step, args) * group.get("lr_scale", 1.0)
         input_ids = blocks[order[step]]
         loss = model(input_ids=input_ids, position_ids=positions, labels=input_ids).loss
         opt.zero_grad(set_to_none=True)
@@ -334,14 +370,17 @@ def evaluate(model, test_documents: list[str], args) -> dict:
     for prefix, divisor in strides.items():
         for factor in EXTRAPOLATION:
             window = factor * args.context
-            nll, tokens = 0.0, 0
+            doc_nll, doc_tokens = [], []  # per document: summed nats and scored bytes (for a bootstrap)
             for segment in segments:
                 scored = perplexity(model, segment, context=window, stride=window // divisor if divisor else None)
-                nll += scored["nll"] * scored["tokens"]
-                tokens += scored["tokens"]
+                doc_nll.append(scored["nll"] * scored["tokens"])
+                doc_tokens.append(scored["tokens"])
+            nll, tokens = sum(doc_nll), sum(doc_tokens)
             result[f"{prefix}ppl@{factor}x"] = math.exp(nll / tokens)
             result[f"{prefix}bits_per_byte@{factor}x"] = nll / tokens / math.log(2)
             result[f"{prefix}tokens@{factor}x"] = tokens
+            result[f"{prefix}doc_nll@{factor}x"] = doc_nll
+            result[f"{prefix}doc_tokens@{factor}x"] = doc_tokens
     for factor in args.stats_factors:
         count = max(1, args.stats_blocks // factor)
         blocks = torch.stack([segment[: factor * args.context] for segment in segments[:count]])
@@ -363,6 +402,28 @@ def code_version() -> dict:
     dirty = git("status", "--porcelain", "--", "lazy_tools", "modeling_lazy", "configuration_lazy")
     return {"commit": git("rev-parse", "HEAD") or "unknown", "dirty": bool(dirty),
             "dirty_files": [line[3:] for line in dirty.splitlines()]}
+
+
+# The code this process runs: a grid worker imports this module once and trains many cells with it, while the
+# checkout may move on (commits, edits) in the meantime; each run also records the checkout at its own start.
+LOADED_CODE = code_version()
+
+
+def output_figures(model) -> dict:
+    """Per layer: the Frobenius norm of `o_proj.weight` and of each head's column block of it, and the head gains
+    of the gain controls (`exp(head_log_gain)` for the log-scale one): how large the attention output can be."""
+    figures = {"o_proj_norm": [], "o_proj_head_norm": []}
+    for layer in attention_layers(model):
+        attn = layer.self_attn
+        weight = attn.o_proj.weight.detach().float()
+        heads = attn.config.num_attention_heads
+        figures["o_proj_norm"].append(weight.norm().item())
+        figures["o_proj_head_norm"].append([block.norm().item() for block in weight.chunk(heads, dim=1)])
+        if hasattr(attn, "head_log_gain"):
+            figures.setdefault("head_gain", []).append(attn.head_log_gain.detach().exp().tolist())
+        elif hasattr(attn, "head_gain"):
+            figures.setdefault("head_gain", []).append(attn.head_gain.detach().tolist())
+    return figures
 
 
 def lazy_parameters(model) -> dict:
@@ -507,7 +568,10 @@ def parse_args(argv=None):
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--tau-init", type=float, default=-1.0, help="initial tau of lazy, tau_only, norelu")
     parser.add_argument("--bias-window", type=int, default=None, help="distance-bias window W (default: --context)")
-    parser.add_argument("--gain-init", type=float, default=1.0, help="initial head gain of the `gain` variant")
+    parser.add_argument("--gain-init", type=float, default=1.0,
+                        help="initial head gain of the `gain` and `loggain` variants")
+    parser.add_argument("--gain-lr", type=float, default=5e-2,
+                        help="peak learning rate of `loggain`'s log gains (same schedule as --lr)")
     parser.add_argument("--small-oinit", type=float, default=0.02, help="o_proj init factor of `small_oinit`")
     parser.add_argument("--eval-span", type=int, default=max(EXTRAPOLATION),
                         help="bytes of each test document evaluated, in multiples of --context")
@@ -531,6 +595,8 @@ def parse_args(argv=None):
     parser.add_argument("--nice", type=int, default=19, help="niceness of a grid's processes")
     parser.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)  # set by the grid itself
     args = parser.parse_args(argv)
+    if "loggain" in args.variants and args.gain_init <= 0:
+        parser.error(f"--gain-init must be > 0 for `loggain` (its gain is exp(g), g = log of it); got {args.gain_init}")
     args.steps *= args.steps_factor
     return args
 
@@ -606,8 +672,11 @@ def main(argv=None) -> dict:
     config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
     results = {"config": config, "train_blocks": blocks.shape[0],
                "train_tokens_per_variant": args.steps * args.batch_size * args.context,
-               "torch": torch.__version__, "code": code_version(), "command": "python -m lazy_tools.replicate "
+               "torch": torch.__version__, "code": LOADED_CODE,
+               "code_at_start": code_version(), "command": "python -m lazy_tools.replicate "
                + " ".join(argv), "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "runs": {}}
+    log(f"code {LOADED_CODE['commit']}" + (f" + uncommitted {LOADED_CODE['dirty_files']}" if LOADED_CODE["dirty"]
+                                              else ""))
     log(f"{blocks.shape[0]} training blocks of {args.context} bytes; {args.steps} steps x {args.batch_size} blocks "
         f"= {results['train_tokens_per_variant']:,} tokens per variant "
         f"({results['train_tokens_per_variant'] / blocks.numel():.2f} epochs)")
@@ -619,11 +688,14 @@ def main(argv=None) -> dict:
         segments = eval_segments(test_documents, args)[: args.stats_blocks]
         init_blocks = torch.stack([segment[: args.context] for segment in segments])
         init_attention = attention_figures(model, init_blocks)  # step 0: what the init imposes
-        run = {"parameters": parameters, "init_attention": init_attention, **train(model, blocks, args, log)}
+        init_output = output_figures(model)
+        run = {"parameters": parameters, "init_attention": init_attention, "init_output": init_output,
+               **train(model, blocks, args, log)}
         start = time.time()
         run["eval"] = evaluate(model, test_documents, args)
         run["eval_seconds"] = time.time() - start
         run["learned"] = lazy_parameters(model)
+        run["output"] = output_figures(model)
         ev = run["eval"]
         log(f"{variant}: ppl {ev['ppl@1x']:.3f} / {ev['ppl@2x']:.3f} / {ev['ppl@4x']:.3f} at 1x/2x/4x; "
             f"sparsity {ev['attention']['mean']['sparsity']:.2%}, sink {ev['attention']['mean']['sink']:.4f}; "

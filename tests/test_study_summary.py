@@ -2,19 +2,28 @@
 lazy_tools.lazify_controls' arms train exactly the parameters they name (a tiny LazyLlama)."""
 
 import json
+import math
+import random
+import statistics
 
 import pytest
+import torch
 
 from lazy_tools import lazify_controls, study_summary
 from modeling_lazy import LazyLlamaConfig, LazyLlamaForCausalLM
 
 
-def write_run(folder, cell, seed, ppl1, sparsity=0.0, finished=True):
+def write_run(folder, cell, seed, ppl1, sparsity=0.0, finished=True, docs=None):
+    """A finished run's results.json; `docs`: per factor, (summed nats, scored bytes) per document, from which the
+    perplexities are then computed."""
     out = folder / cell / f"seed{seed}"
     out.mkdir(parents=True)
-    run = {"losses": [3.0] * 19 + [2.0], "train_seconds": 1.0,
-           "eval": {"ppl@1x": ppl1, "ppl@2x": ppl1 + 1, "ppl@4x": ppl1 + 2,
-                    "attention": {"mean": {"sparsity": sparsity, "surviving_mass": 1 - sparsity}}},
+    ev = {"ppl@1x": ppl1, "ppl@2x": ppl1 + 1, "ppl@4x": ppl1 + 2,
+          "attention": {"mean": {"sparsity": sparsity, "surviving_mass": 1 - sparsity}}}
+    for factor, (nll, tokens) in (docs or {}).items():
+        ev[f"doc_nll@{factor}"], ev[f"doc_tokens@{factor}"] = nll, tokens
+        ev[f"ppl@{factor}"] = math.exp(sum(nll) / sum(tokens))
+    run = {"losses": [3.0] * 19 + [2.0], "train_seconds": 1.0, "eval": ev,
            "init_attention": {"mean": {"sparsity": 0.5}}}
     data = {"config": {"steps": 20}, "code": {"commit": "abc", "dirty": False}, "command": "x", "runs": {cell: run}}
     if finished:
@@ -119,3 +128,148 @@ def test_lazify_finetune_moves_only_the_arms_parameters_each_at_its_rate(rng_see
     norm_step = max((p - before[n]).abs().max().item() for n, p in model.named_parameters()
                     if n.endswith("norm.weight"))
     assert 5e-3 < tau_step <= 2.1e-2 and 5e-4 < norm_step <= 2.1e-3
+
+
+def t_closed_form(p, df):
+    """Student's t quantiles with closed forms: df 1 (Cauchy) and df 2."""
+    if df == 1:
+        return math.tan(math.pi * (p - 0.5))
+    assert df == 2
+    return (2 * p - 1) / math.sqrt(2 * p * (1 - p))
+
+
+@pytest.mark.parametrize("p", [0.9, 0.975, 0.995])
+def test_t_quantile_matches_closed_forms_and_the_normal_limit(p):
+    for df in (1, 2):
+        assert study_summary.t_quantile(p, df) == pytest.approx(t_closed_form(p, df), rel=1e-7)
+    assert study_summary.t_quantile(p, 100_000) == pytest.approx(statistics.NormalDist().inv_cdf(p), rel=1e-4)
+    # more degrees of freedom: thinner tails, smaller quantiles
+    assert study_summary.t_quantile(p, 2) > study_summary.t_quantile(p, 3) > study_summary.t_quantile(p, 30)
+    with pytest.raises(ValueError):
+        study_summary.t_quantile(0.4, 2)
+
+
+def test_t_interval_is_the_textbook_one_and_covers_95_percent():
+    seed = random.randrange(2**31)
+    print("seed", seed)
+    rng = random.Random(seed)
+    values = [rng.gauss(0, 1) for _ in range(3)]
+    half = t_closed_form(0.975, 2) * statistics.stdev(values) / math.sqrt(3)
+    assert study_summary.t_interval(values) == pytest.approx([statistics.fmean(values) - half,
+                                                              statistics.fmean(values) + half])
+    assert study_summary.t_interval([1.0]) is None
+    trials = 4000
+    covered = sum(lo <= 5.0 <= hi for lo, hi in
+                  (study_summary.t_interval([rng.gauss(5.0, 2.0) for _ in range(3)]) for _ in range(trials)))
+    assert abs(covered / trials - 0.95) < 0.015  # 3.5 binomial standard deviations
+    # the normal quantile in place of t would cover far less with n = 3 (about 83%)
+    assert study_summary.t_quantile(0.975, 2) > 2 * statistics.NormalDist().inv_cdf(0.975)
+
+
+def test_bootstrap_interval_of_a_mean_approaches_the_normal_interval():
+    seed = random.randrange(2**31)
+    print("seed", seed)
+    values = torch.randn(400, generator=torch.Generator().manual_seed(seed), dtype=torch.float64) * 3 + 1
+    low, high = study_summary.bootstrap_interval(lambda i: values[i].mean(-1), 400, seed=seed)
+    half = 1.959964 * values.std().item() / math.sqrt(400)
+    assert low == pytest.approx(values.mean().item() - half, abs=0.1 * half)
+    assert high == pytest.approx(values.mean().item() + half, abs=0.1 * half)
+
+
+def test_pooled_ppl_and_paired_document_intervals():
+    seed = random.randrange(2**31)
+    print("seed", seed)
+    gen = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(50, 200, (30,), generator=gen).double()
+    nll = tokens * (2 + torch.rand(30, generator=gen, dtype=torch.float64))
+    index = torch.randint(30, (5, 30), generator=gen)
+    expected = [math.exp(sum(nll[j].item() for j in row) / sum(tokens[j].item() for j in row)) for row in index]
+    assert study_summary.pooled_ppl(nll, tokens, index).tolist() == pytest.approx(expected, rel=1e-12)
+    record = {"docs": {"1x": (nll.tolist(), tokens.tolist()), "4x": ((nll * 1.1).tolist(), tokens.tolist())}}
+    other = {"docs": {"1x": ((nll * 0.9).tolist(), tokens.tolist()), "4x": ((nll * 0.9).tolist(), tokens.tolist())}}
+    # same run, same documents: the difference is exactly 0 in every resample
+    assert study_summary.eval_interval_ratio(record, record, "1x") == [0.0, 0.0]
+    # the 1x -> 4x rise: every document's loss x1.1, so the pooled ppl@4x / ppl@1x lies within [e^0.2, e^0.3] - 1
+    low, high = study_summary.eval_interval_ratio(record, record, "4x", ref_factor="1x")
+    mean_nll = (nll.sum() / tokens.sum()).item()
+    assert low <= math.exp(0.1 * mean_nll) - 1 <= high and high - low < 0.05
+    # the extra rise over a run that does not rise is the rise itself
+    extra = study_summary.eval_interval_ratio(record, other, "4x", cell_factor_base="1x")
+    assert extra == pytest.approx([low, high], abs=0.02)
+    assert study_summary.eval_interval_ratio(record, {"docs": {}}, "1x") is None
+
+
+def test_summary_intervals_verdicts_and_single_seed_document_intervals(tmp_path):
+    seed = random.randrange(2**31)
+    print("seed", seed)
+    rng = random.Random(seed)
+    for s in range(3):
+        v = 10 + rng.random()
+        write_run(tmp_path, "vanilla", s, v)
+        write_run(tmp_path, "lazy", s, v * 0.8)  # -20% on every seed: resolved
+        write_run(tmp_path, "noise", s, v * (1 + (-0.01, 0.0, 0.012)[s]))  # straddles 0: not resolved
+    summary = study_summary.main([str(tmp_path)])
+    d = summary["lazy"]["paired"]["d_ppl@1x"]
+    assert d["ci95"] == pytest.approx([-0.2, -0.2]) and d["resolved"] is True
+    noise = summary["noise"]["paired"]["d_ppl@1x"]
+    half = t_closed_form(0.975, 2) * statistics.stdev([-0.01, 0.0, 0.012]) / math.sqrt(3)
+    assert noise["ci95"] == pytest.approx([0.002 / 3 - half, 0.002 / 3 + half]) and noise["resolved"] is False
+    table = (tmp_path / "summary.md").read_text()
+    assert "not resolved" in table.split("| noise |")[1].split("\n")[0]
+    assert "not resolved" not in table.split("| lazy |")[1].split("\n")[0]
+
+
+def test_single_seed_cells_get_a_document_interval_or_say_there_is_none(tmp_path):
+    seed = random.randrange(2**31)
+    print("seed", seed)
+    gen = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(100, 300, (25,), generator=gen).double()
+
+    def docs(level):
+        nll = tokens * (level + 0.3 * torch.rand(25, generator=gen, dtype=torch.float64))
+        return {"1x": (nll.tolist(), tokens.tolist()), "2x": ((nll * 1.02).tolist(), tokens.tolist()),
+                "4x": ((nll * 1.05).tolist(), tokens.tolist())}
+
+    write_run(tmp_path, "vanilla", 0, 0.0, docs=docs(2.3))
+    write_run(tmp_path, "lazy", 0, 0.0, docs=docs(2.1))
+    write_run(tmp_path, "old", 0, 9.0)  # no per-document losses
+    summary = study_summary.main([str(tmp_path)])
+    lazy = summary["lazy"]
+    interval = lazy["paired"]["d_ppl@1x"]["eval_ci95"]
+    assert lazy["paired"]["d_ppl@1x"]["ci95"] is None and interval[0] < lazy["paired"]["d_ppl@1x"]["mean"] < interval[1]
+    assert lazy["paired"]["d_ppl@1x"]["resolved"] is True  # 0.2 nats per byte apart: far outside document noise
+    ppl = lazy["figures"]["ppl@1x"]
+    assert ppl["eval_ci95"][0] < ppl["mean"] < ppl["eval_ci95"][1]
+    assert "eval_ci95" in lazy["figures"]["rise@4x"] and "eval_ci95" in lazy["paired"]["d_rise@4x"]
+    old = summary["old"]
+    assert old["paired"]["d_ppl@1x"].get("eval_ci95") is None and old["paired"]["d_ppl@1x"]["resolved"] is None
+    table = (tmp_path / "summary.md").read_text()
+    assert "(n=1) no interval" in table.split("| old |")[1].split("\n")[0]
+    assert "(n=1, eval)" in table.split("| lazy |")[1].split("\n")[0]
+
+
+def test_by_prefix_pairs_each_length_with_its_own_reference(tmp_path):
+    for ctx, v in ((64, 11.0), (128, 10.0)):
+        write_run(tmp_path, f"ctx{ctx}-vanilla", 0, v)
+        write_run(tmp_path, f"ctx{ctx}-lazy", 0, v * 0.9)
+        write_run(tmp_path, f"ctx{ctx}-norelu", 0, v * 0.85)
+    summary = study_summary.main([str(tmp_path), "--by-prefix"])
+    for ctx in (64, 128):
+        assert summary[f"ctx{ctx}-lazy"]["paired"]["d_ppl@1x"]["mean"] == pytest.approx(-0.1)
+        assert summary[f"ctx{ctx}-norelu"]["paired"]["share_of_lazy_gain@1x"]["mean"] == pytest.approx(1.5)
+        assert summary[f"ctx{ctx}-norelu"]["paired"]["d_ppl_vs_lazy@1x"]["mean"] == pytest.approx(0.85 / 0.9 - 1)
+
+
+def test_attention_figures_are_paired_by_seed(tmp_path):
+    for s, (v, lz) in enumerate([(0.2, 0.5), (0.4, 0.6), (0.3, 0.7)]):
+        write_run(tmp_path, "vanilla", s, 10.0, sparsity=v)
+        write_run(tmp_path, "lazy", s, 9.0, sparsity=lz)
+    for s in range(3):  # put a sink share into every run: lazy's is 0.01 above vanilla's on every seed
+        for cell, extra in (("vanilla", 0.0), ("lazy", 0.01)):
+            path = tmp_path / cell / f"seed{s}" / "results.json"
+            data = json.loads(path.read_text())
+            data["runs"][cell]["eval"]["attention"]["mean"]["sink_share"] = 0.02 * s + extra
+            path.write_text(json.dumps(data))
+    summary = study_summary.main([str(tmp_path)])
+    d = summary["lazy"]["paired"]["d_sink_share"]
+    assert d["values"] == pytest.approx([0.01] * 3) and d["ci95"] == pytest.approx([0.01, 0.01])

@@ -2,6 +2,7 @@
 figures (lazy_tools.metrics.pooled_attention_statistics) agree with a direct count. Tiny random models: seconds."""
 
 import argparse
+import math
 
 import pytest
 import torch
@@ -17,7 +18,8 @@ from modeling_lazy.lazy_attention_reference import (
 def tiny_args(**overrides):
     args = {"hidden_size": 32, "intermediate_size": 64, "layers": 2, "heads": 2, "context": 16, "seed": 0,
             "tau_init": -1.0,
-                "bias_window": None, "gain_init": 1.0, "small_oinit": 0.02}
+            "bias_window": None, "gain_init": 1.0, "small_oinit": 0.02, "lr": 2e-3, "gain_lr": 5e-2,
+            "weight_decay": 0.1}
     args.update(overrides)
     return argparse.Namespace(**args)
 
@@ -177,3 +179,120 @@ def test_grid_cells_run_seed_by_seed():
     assert all(set(c[2][1:2]) <= set(replicate.VARIANTS) for c in cells)
     by_cell = replicate.grid_cells(argparse.Namespace(grid="controls", seeds=[0, 1], order="cell"))
     assert [c[:2] for c in by_cell[:3]] == [("vanilla", 0), ("vanilla", 1), ("lazy", 0)]
+
+
+def test_shift_only_is_softmax_plus_tau_over_n_without_bias_or_relu():
+    args = tiny_args()
+    model = replicate.build_model("shift_only", args)
+    vanilla = replicate.build_model("vanilla", args)
+    for layer in model.model.layers:
+        attn = layer.self_attn
+        assert not attn.distance_bias.requires_grad and (attn.distance_bias == 0).all()
+        assert attn.tau.requires_grad and (attn.tau == -1).all()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.tau.copy_(-1 - torch.rand(2, generator=torch.Generator().manual_seed(5)))
+    seed = torch.seed() % 2**31
+    print("seed", seed)
+    x = ids(seed=seed)
+    weights, visible, _, _ = attention_weights(model, x)
+    plain, *_ = attention_weights(vanilla, x)  # same Llama weights: layer 0 sees the same input
+    tau = model.model.layers[0].self_attn.tau.detach().double()
+    n = torch.arange(1, 17, dtype=torch.float64)[None, None, :, None]
+    expected = (plain[0].double() - tau.abs()[None, :, None, None] / n) * visible
+    torch.testing.assert_close(weights[0].double(), expected, rtol=1e-5, atol=1e-6)
+    assert (weights[0][visible.expand_as(weights[0])] < 0).any()  # no ReLU: negative weights survive
+    loss = model(input_ids=x, labels=x).loss
+    loss.backward()
+    assert all(layer.self_attn.tau.grad.abs().sum() > 0 for layer in model.model.layers)
+
+
+def test_scale075_multiplies_the_attention_output_by_075():
+    x = ids()
+    base_seen, _ = o_proj_outputs(replicate.build_model("vanilla", tiny_args()), x)
+    seen, _ = o_proj_outputs(replicate.build_model("scale0.75", tiny_args()), x)
+    torch.testing.assert_close(seen[0][1], 0.75 * base_seen[0][1])
+
+
+def test_loggain_is_exp_of_a_parameter_with_its_own_learning_rate():
+    args = tiny_args(lr=2e-3, gain_lr=5e-2, weight_decay=0.1, gain_init=1.0)
+    model = replicate.build_model("loggain", args)
+    attn = model.model.layers[0].self_attn
+    assert not hasattr(attn, "head_gain") and torch.equal(attn.head_log_gain, torch.zeros(2))
+    x = ids()
+    raw, _ = o_proj_outputs(model, x)
+    with torch.no_grad():
+        attn.head_log_gain.copy_(torch.tensor([-1.0, 0.5]))
+    expected = torch.cat([raw[0][0][..., :16] * math.exp(-1.0), raw[0][0][..., 16:] * math.exp(0.5)], dim=-1)
+    torch.testing.assert_close(attn.o_proj(raw[0][0]), torch.nn.functional.linear(expected, attn.o_proj.weight))
+    assert replicate.output_figures(model)["head_gain"][0] == pytest.approx([math.exp(-1.0), math.exp(0.5)])
+    # the optimizer gives the log gains their own peak rate; Adam's first step moves each by about that rate
+    opt = replicate.optimizer(model, args)
+    (group,) = [g for g in opt.param_groups if "lr_scale" in g]
+    assert group["lr_scale"] == pytest.approx(25.0) and group["weight_decay"] == 0.0
+    assert {id(p) for p in group["params"]} == {id(layer.self_attn.head_log_gain) for layer in model.model.layers}
+    before = attn.head_log_gain.detach().clone()
+    for g in opt.param_groups:
+        g["lr"] = 2e-3 * g.get("lr_scale", 1.0)
+    model(input_ids=x, labels=x).loss.backward()
+    opt.step()
+    moved = (attn.head_log_gain.detach() - before).abs()
+    assert ((moved > 0.03) & (moved < 0.06)).all(), moved
+    with pytest.raises(ValueError, match="gain-init"):
+        replicate.build_model("loggain", tiny_args(gain_init=0.0))
+
+
+def test_output_figures_are_the_o_proj_norms():
+    model = replicate.build_model("gain", tiny_args())
+    figures = replicate.output_figures(model)
+    for layer, norm, heads in zip(model.model.layers, figures["o_proj_norm"], figures["o_proj_head_norm"]):
+        weight = layer.self_attn.o_proj.weight.detach().double()
+        assert norm == pytest.approx(weight.norm().item(), rel=1e-6)
+        assert heads == pytest.approx([weight[:, :16].norm().item(), weight[:, 16:].norm().item()], rel=1e-6)
+        assert (sum(h * h for h in heads)) ** 0.5 == pytest.approx(norm, rel=1e-6)
+    assert figures["head_gain"] == [[1.0, 1.0], [1.0, 1.0]]
+    assert "head_gain" not in replicate.output_figures(replicate.build_model("vanilla", tiny_args()))
+
+
+def test_budget_grid_trains_the_same_bytes_at_every_length():
+    budgets = {}
+    for cell, extra in replicate.GRIDS["budget"]:
+        args = replicate.parse_args(["--steps", "150", *extra])
+        budgets[cell] = args.steps * args.batch_size * args.context
+        if args.variants != ["vanilla"]:
+            assert args.bias_window >= 4 * args.context  # the window covers the longest evaluation
+    assert len(budgets) == 9 and set(budgets.values()) == {150 * 16 * 128}
+    assert [c for c, _ in replicate.GRIDS["budget128"]] == ["ctx128-vanilla", "ctx128-lazy", "ctx128-norelu"]
+    assert [c for c, _ in replicate.GRIDS["mechanism"]] == ["shift_only", "scale0.75", "loggain"]
+
+
+def test_per_document_losses_add_up_to_the_pooled_perplexity():
+    args = replicate.parse_args(["--context", "16", "--eval-span", "2", "--stats-factors", "1", "--stats-blocks",
+                                 "2", "--hidden-size", "32", "--intermediate-size", "64", "--layers", "2",
+                                 "--heads", "2"])
+    model = replicate.build_model("lazy", args)
+    documents = ["".join(chr(97 + (i * k) % 26) for i in range(40 + k)) for k in range(1, 4)]
+    result = replicate.evaluate(model, documents, args)
+    for factor in ("1x", "2x"):
+        nll, tokens = result[f"doc_nll@{factor}"], result[f"doc_tokens@{factor}"]
+        assert len(nll) == len(tokens) == 3
+        assert math.exp(sum(nll) / sum(tokens)) == pytest.approx(result[f"ppl@{factor}"], rel=1e-12)
+        for doc, doc_nll, doc_tokens in zip(documents, nll, tokens):  # each document scored on its own
+            scored = replicate.perplexity(model, torch.tensor(replicate.byte_tokens(doc)[:32]),
+                                          context=16 * int(factor[0]))
+            assert doc_nll == pytest.approx(scored["nll"] * scored["tokens"]) and doc_tokens == scored["tokens"]
+
+
+def test_tauinit_grid_is_the_sweeps_tau_cells():
+    assert [c for c, _ in replicate.GRIDS["tauinit"]] == ["tau0-lazy", "tau-0.25-lazy", "tau-0.5-lazy"]
+    assert [c for c, _ in replicate.GRIDS["long"]] == ["long-vanilla", "long-lazy"]
+    assert replicate.parse_args(["--steps", "150", *replicate.GRIDS["long"][1][1]]).steps == 1050
+    args = replicate.parse_args(["--steps", "150", *replicate.GRIDS["tauinit"][1][1]])
+    assert args.variants == ["lazy"] and args.tau_init == -0.25 and args.steps == 150
+
+
+def test_loggain_with_a_non_positive_init_is_refused_in_one_line(capsys):
+    with pytest.raises(SystemExit):
+        replicate.parse_args(["--variants", "loggain", "--gain-init", "0"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].endswith("--gain-init must be > 0 for `loggain` (its gain is exp(g), g = log of it); got 0.0")
