@@ -527,8 +527,9 @@ def _lazy_causal_fwd_kernel(Q, K, V, TAU, BAND, QPOS, OUT, LSE, U,
     tl.store(OUT + out_offs, acc.to(OUT.dtype.element_ty), mask=out_mask)
     if STORE_U:
         tl.store(U + out_offs, u, mask=out_mask)
-    tl.store(LSE + pid_bh.to(tl.int64) * Tq + rows, tl.where(alive, lse2 * 0.6931471805599453, _DEAD_ROW_LSE),
-             mask=row_mask)
+    # in log2 units, as the causal backward reads it: a round trip through ln would move a row that sits exactly on
+    # the ReLU's kink (a one-key row at tau = -1: p = 1, p + tau / n = 0) to the other side in the backward
+    tl.store(LSE + pid_bh.to(tl.int64) * Tq + rows, tl.where(alive, lse2, _DEAD_ROW_LSE), mask=row_mask)
 
 
 @triton.jit
@@ -1000,7 +1001,7 @@ def _lazy_causal_bwd_dq_kernel(Q, K, V, TAU, BAND, QPOS, QSEG, LSE, DO, DELTA, D
     band = BAND + h * BAND_LEN + (BLOCK_M + BLOCK_N) + m0 + Tk - Tq  # band of distance m0 + offset - start_n
     diagonal = tl.arange(0, BLOCK_M)[:, None] - tl.arange(0, BLOCK_N)[None, :]
     q_key_idx = rows + Tk - Tq
-    lse2 = lse * _LOG2E  # a dead row's DEAD_ROW_LSE becomes +inf: p = 0 (and its threshold is -1e30)
+    lse2 = lse  # the causal forward stores log2 units; a dead row's DEAD_ROW_LSE gives p = 0 (threshold -1e30)
     delta = tl.load(DELTA + pid_bh.to(tl.int64) * Tq + rows, mask=row_mask, other=0.0)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     dbias_row = DBIAS_PART + (pid_bh.to(tl.int64) * tl.num_programs(0) + pid_m) * W
@@ -1035,7 +1036,7 @@ def _causal_dkdv_tiles(dk, dv, k, v, Q, DO, QPOS, LSE, DELTA, band, tau_h, n0, l
         lse = tl.load(LSE + rows, mask=rows < Tq, other=_DEAD_ROW_LSE)
         threshold = _row_threshold(tau_h, tl.load(QPOS + rows_in), lse)[None, :]
         p, alive = _causal_bwd_tile(k, q, band + start_m, n0, diagonal, keys[:, None] <= (rows + offset)[None, :],
-                                    (lse * _LOG2E)[None, :], threshold, scale_log2, BIAS, DIAGONAL, UPCAST, PRECISION)
+                                    lse[None, :], threshold, scale_log2, BIAS, DIAGONAL, UPCAST, PRECISION)
         dv = _dot(tl.where(alive, p + threshold, 0.0).to(do.dtype), do, UPCAST, PRECISION, dv)
         dp = tl.where(alive, _dot(v, tl.trans(do), UPCAST, PRECISION), 0.0)
         dk = _dot((p * (dp - tl.load(DELTA + rows_in)[None, :])).to(q.dtype), q, UPCAST, PRECISION, dk)
@@ -1210,7 +1211,8 @@ def _forward(query, key, value, tau, distance_bias, q_pos, k_pos, q_seg, k_seg, 
 
 
 def _causal_forward(query, key, value, tau, distance_bias, q_pos, scaling, block_d, store_u=False):
-    """The causal fast-path forward: `(out [B, Tq, Hq, D], lse [B, Hq, Tq] float32, u)`; `store_u` (training): u is
+    """The causal fast-path forward: `(out [B, Tq, Hq, D], lse [B, Hq, Tq] float32 in log2 units (what
+    `_causal_backward` reads), u)`; `store_u` (training): u is
     `U_i = sum_j m_ij v_j`, `[B, Tq, Hq, D]` float32, for `_causal_backward`; otherwise None."""
     bsz, num_heads, q_len, dim = query.shape
     kv_heads, k_len = key.shape[1], key.shape[2]
