@@ -141,6 +141,10 @@ class _CausalChunk:
         scores = scores.view(shape)  # [B, Hq, C, K]
         lo = max(0, self.k_lo)
         scores[..., lo:].add_(band[:, :rows, lo - self.k_lo : rows + width - 1])
+        # the band's -inf already hides future keys, but NaN + -inf is NaN: a NaN future key would reach rows
+        # that cannot see it, so the future triangle is set, not added
+        self.future = torch.ones(rows, rows, dtype=torch.bool, device=q.device).triu_(1)
+        scores[..., self.i0 : self.k_end].masked_fill_(self.future, float("-inf"))
         self.probs = torch.softmax(scores, dim=-1, out=scores if in_place else workspace.view(1, *shape))
         self.dead = None
         if first_finite is not None:  # rows whose scores are all -inf: softmax gave NaN, the math gives 0
@@ -152,8 +156,7 @@ class _CausalChunk:
         """`out = max(0, probs + shift)` (out may be probs itself), future keys and dead rows forced to 0."""
         weights = torch.add(self.probs, shift, out=out).clamp_min_(0.0)
         if mode == "positive":  # p = 0 on future keys, but p + tau/n > 0 there
-            future = torch.ones(self.rows, self.rows, dtype=torch.bool, device=weights.device).triu_(1)
-            weights[..., self.i0 : self.k_end].masked_fill_(future, 0.0)
+            weights[..., self.i0 : self.k_end].masked_fill_(self.future, 0.0)
             if self.dead is not None:
                 weights.masked_fill_(self.dead, 0.0)
         return weights
