@@ -35,8 +35,8 @@ SERVE_VENV ?= .venv-serve
 SERVE_PY := $(SERVE_VENV)/bin/python
 SERVE_PORT ?= 8000
 VLLM_CPU_KVCACHE_SPACE ?= 2
-# float32 unless the CPU computes bfloat16 natively (serving/serve_dtype.py); `make serve SERVE_DTYPE=bfloat16` overrides
-SERVE_DTYPE ?= $(shell $(PYTHON) -m serving.serve_dtype)
+# float32 unless the CPU computes bfloat16 natively (lazy_llama_vllm/serve_dtype.py); `make serve SERVE_DTYPE=bfloat16` overrides
+SERVE_DTYPE ?= $(shell $(PYTHON) -m lazy_llama_vllm.serve_dtype)
 export VLLM_CPU_KVCACHE_SPACE
 
 serve-setup: $(SERVE_VENV)/.installed
@@ -55,7 +55,7 @@ $(SERVE_VENV)/.installed: pyproject.toml setup.py $(wildcard csrc/*) Makefile
 # (vllm-cpu's `vllm` command looks up the distribution "vllm" and fails, so the server module is run directly.
 # --enforce-eager: only eager mode is tested.)
 serve: serve-setup
-	$(SERVE_PY) -m vllm.entrypoints.openai.api_server --model "$$($(SERVE_PY) -m serving.smollm2)" \
+	$(SERVE_PY) -m vllm.entrypoints.openai.api_server --model "$$($(SERVE_PY) -m lazy_llama_vllm.smollm2)" \
 		--served-model-name smollm2-lazy --max-model-len 4096 --enforce-eager --dtype $(SERVE_DTYPE) \
 		--port $(SERVE_PORT)
 

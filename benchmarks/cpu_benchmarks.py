@@ -297,7 +297,7 @@ def bench_smollm2(size):
         return
     from transformers import AutoTokenizer
 
-    from lazy_tools.data import brown_documents, smollm2_gguf_path
+    from lazy_llama_tools.data import brown_documents, smollm2_gguf_path
 
     gguf = smollm2_gguf_path()
     llama = transformers.LlamaForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
@@ -347,7 +347,7 @@ def main(argv=None):
     print(f"machine: {machine}")
     benches = {"attention": bench_attention, "memory": bench_memory, "model": bench_model, "decode": bench_decode,
                "smollm2": bench_smollm2}
-    from lazy_tools.replicate import code_version
+    from lazy_llama_tools.replicate import code_version
 
     code = code_version()  # the git commit measured (and uncommitted files), taken before anything runs
     started = time.time()

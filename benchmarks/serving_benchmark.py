@@ -125,8 +125,8 @@ def main() -> None:
     import transformers
     import vllm
 
-    from lazy_tools.data import smollm2_llama_dir
-    from serving.smollm2 import converted_smollm2
+    from lazy_llama_tools.data import smollm2_llama_dir
+    from lazy_llama_vllm.smollm2 import converted_smollm2
 
     lazy, llama = str(converted_smollm2(args.tau)), str(smollm2_llama_dir())
     commit = code_commit()  # before the runs: a commit made while they run is not the code measured

@@ -35,9 +35,9 @@ def main() -> None:
     from vllm import LLM, SamplingParams
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-    import serving.lazy_attention_backend as backend
+    import lazy_llama_vllm.lazy_attention_backend as backend
     from benchmarks.serving_benchmark import code_commit, prompts
-    from serving.smollm2 import converted_smollm2
+    from lazy_llama_vllm.smollm2 import converted_smollm2
 
     commit = code_commit()
     state = {"mode": None, "stats": collections.defaultdict(collections.Counter)}

@@ -78,8 +78,8 @@ def main() -> None:
         return
 
     from benchmarks.serving_benchmark import code_commit
-    from lazy_tools.data import smollm2_llama_dir
-    from serving.smollm2 import converted_smollm2
+    from lazy_llama_tools.data import smollm2_llama_dir
+    from lazy_llama_vllm.smollm2 import converted_smollm2
 
     commit = code_commit()
     report = {"command": "python -m benchmarks.serving_profile " + " ".join(sys.argv[1:]), "commit": commit,

@@ -4,7 +4,9 @@ Every `LlamaConfig` field keeps its meaning; three fields are added:
 
 - `lazy_bias_window` (int, default 1024): W, the number of distances `0..W-1` that own a learnable
   per-head bias `distance_bias[h, d]`; distances `>= W` get no bias (attention stays fully causal).
-- `lazy_tau_init` (float, default -1.0): the initial Elastic-Softmax offset `tau_h` of a new model.
+- `lazy_tau_init` (float, default -1.0): the initial Elastic-Softmax offset `tau_h` of a new model (the paper's
+  init for training from scratch). Converting a Llama starts from tau = 0 instead (`lazy-convert --tau-init`,
+  default 0): there LazyLlama computes exactly what the source Llama does.
 - `lazy_bias_init_std` (float, default 1e-3): standard deviation of the initial distance bias.
 
 This file imports nothing from this project, so it can travel with a checkpoint on its own.

@@ -14,7 +14,7 @@ Safetensors and `.bin` sources are streamed one source file at a time into outpu
 `--max-shard-size`, so peak memory is about one source shard (plus the source shard being read), not the model.
 A GGUF file is dequantised by transformers as a whole model first (GGUF files are small and quantised).
 
-How OUT is written (`lazy_tools.folders`): everything that can be checked is checked before anything is
+How OUT is written (`lazy_llama_tools.folders`): everything that can be checked is checked before anything is
 written (source, settings, OUT, free space); a run holds a lock beside OUT for its whole length, so a second
 run into the same OUT is refused at once; the result is built in a hidden temporary folder beside OUT and put
 in place by renames only when complete (and verified, with `--verify`), so OUT is always either what it was
@@ -50,8 +50,8 @@ from conversion.checkpoint_files import (
     WEIGHTS_INDEX,
 )
 from conversion.model_card import write_model_card
-from lazy_tools.cli import DEFAULT_BIAS_WINDOW, VERIFY_TOLERANCE, convert_parser
-from lazy_tools.folders import (
+from lazy_llama_tools.cli import DEFAULT_BIAS_WINDOW, VERIFY_TOLERANCE, convert_parser
+from lazy_llama_tools.folders import (
     FolderBusy,
     deferred_signals,
     is_empty_folder,
@@ -61,7 +61,7 @@ from lazy_tools.folders import (
     temporary_folder,
     terminations_as_interrupts,
 )
-from lazy_tools.loading import DTYPES, without_gguf_quantization
+from lazy_llama_tools.loading import DTYPES, without_gguf_quantization
 from modeling_lazy.modeling_lazy import (
     AUTO_MAP,
     LazyLlamaForCausalLM,
@@ -81,6 +81,11 @@ SPACE_MARGIN = 1 << 20  # bytes beyond the weights and the tokenizer: config, co
 
 class ConversionError(Exception):
     """A source that cannot be converted; the message says what is wrong and what to do."""
+
+
+# tau every converted head starts from: at 0 (with a zero distance bias) LazyLlama computes exactly the source
+# Llama. `LazyLlamaConfig.lazy_tau_init` (-1, the paper's init) is for models trained from scratch.
+EXACT_TAU_INIT = 0.0
 
 
 class ConversionInterrupted(KeyboardInterrupt):
@@ -593,7 +598,7 @@ def convert(
     source: str | Path,
     output: str | Path,
     *,
-    tau_init: float = 0.0,
+    tau_init: float = EXACT_TAU_INIT,
     bias_window: int | None = None,
     bias_init_std: float = 0.0,
     dtype: str = "auto",
@@ -758,7 +763,7 @@ def verify_conversion(
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m conversion.convert_llama_to_lazy`: the `lazy-convert` command (`lazy_tools.cli.lazy_convert`
+    """`python -m conversion.convert_llama_to_lazy`: the `lazy-convert` command (`lazy_llama_tools.cli.lazy_convert`
     parses the same arguments before importing torch)."""
     return run(convert_parser().parse_args(argv))
 

@@ -152,7 +152,7 @@ def write_model_card(folder: str | Path, **kwargs) -> Path:
 
 
 def load_statistics(path: str | Path) -> dict:
-    """Attention statistics from a JSON file: `lazy_tools.metrics.attention_statistics()` output, a flat dict
+    """Attention statistics from a JSON file: `lazy_llama_tools.metrics.attention_statistics()` output, a flat dict
     of figures, or a `lazy-inspect` report (its model's natural-text figures are used)."""
     path = Path(path)
     try:

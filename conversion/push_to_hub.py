@@ -42,7 +42,7 @@ from conversion.checkpoint_files import (
     WEIGHTS_INDEX,
 )
 from conversion.model_card import card_for_push, load_statistics
-from lazy_tools.cli import PUSH_COMMIT_MESSAGE, PUSH_RETRIES, PUSH_TIMEOUT, push_parser
+from lazy_llama_tools.cli import PUSH_COMMIT_MESSAGE, PUSH_RETRIES, PUSH_TIMEOUT, push_parser
 from modeling_lazy.modeling_lazy import LAZY_PARAMETER_NAMES
 
 try:  # the HTTP client huggingface_hub uses (httpx2 in huggingface_hub >= 2, httpx before)
@@ -418,7 +418,7 @@ def _summarise(paths: list[str], shown: int = 6) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m conversion.push_to_hub`: the `lazy-push` command (`lazy_tools.cli.lazy_push` parses the same
+    """`python -m conversion.push_to_hub`: the `lazy-push` command (`lazy_llama_tools.cli.lazy_push` parses the same
     arguments before importing the Hub client)."""
     return run(push_parser().parse_args(argv))
 

@@ -18,8 +18,6 @@ import torch
 
 DEMO_TAUS = (0.0, -0.5, -1.0)
 PROMPT = "What is the capital of France? Answer in one sentence."
-BASE_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
-LICENSE = "apache-2.0"
 
 
 def _step(number: int, total: int, text: str, started: float) -> None:
@@ -50,8 +48,8 @@ def main(argv: list[str] | None = None) -> int:
     from conversion.checkpoint_files import SETTINGS_FILE
     from conversion.convert_llama_to_lazy import convert
     from conversion.model_card import write_model_card
-    from lazy_tools.data import brown_documents, cache_dir, smollm2_gguf_path
-    from lazy_tools.metrics import attention_statistics, perplexity
+    from lazy_llama_tools.data import SMOLLM2_BASE_MODEL, SMOLLM2_LICENSE, brown_documents, cache_dir, smollm2_gguf_path
+    from lazy_llama_tools.metrics import attention_statistics, perplexity
 
     torch.manual_seed(0)
     started, steps = time.time(), 5
@@ -63,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
 
     _step(2, steps, "convert to LazyLlama (tau = 0, distance_bias = 0: exact) and verify", started)
     output = Path(args.output) if args.output else cache_dir() / "smollm2-135m-instruct-lazy"
-    summary = convert(gguf, output, verify=True, overwrite=True, base_model=BASE_MODEL, license=LICENSE,
+    summary = convert(gguf, output, verify=True, overwrite=True, base_model=SMOLLM2_BASE_MODEL, license=SMOLLM2_LICENSE,
                       max_shard_size="200MB")
     print(f"  max abs logit difference vs the source Llama: {summary['max_abs_diff']:.2e} (tolerance 1e-4)")
 
@@ -100,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
             settings = json.loads((output / SETTINGS_FILE).read_text())
             settings.pop("source")
             card_stats = {k: stats[k] for k in ("sparsity", "tile_density", "sink", "surviving_mass")}
-            write_model_card(output, base_model=BASE_MODEL, license=LICENSE, repo_id=output.name, conversion=settings,
+            write_model_card(output, base_model=SMOLLM2_BASE_MODEL, license=SMOLLM2_LICENSE, repo_id=output.name, conversion=settings,
                              stats={**card_stats, "brown_test_perplexity": ppl["perplexity"]})
 
     print(f"\nSmolLM2-135M-Instruct as LazyLlama: attention on {stats_ids.shape[1]} Brown-test tokens, "

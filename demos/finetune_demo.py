@@ -1,6 +1,6 @@
 """Demonstration of `lazy-finetune`: SmolLM2-135M converted at tau = 0, then `lazy-only` fine-tuning on Brown-train.
 
-Evaluates Brown-test perplexity (`lazy_tools.metrics.perplexity`, context 512) and attention statistics
+Evaluates Brown-test perplexity (`lazy_llama_tools.metrics.perplexity`, context 512) and attention statistics
 (`attention_statistics`) on a fixed slice of Brown-test (the first `--eval_rows x --eval_context` tokens of
 `brown_text_file("test")`) before and after, prints a table and writes `summary.json` into the output folder.
 
@@ -17,10 +17,10 @@ from pathlib import Path
 
 import torch
 
-from lazy_tools.data import brown_text_file, smollm2_llama_dir
-from lazy_tools.finetune import load_model
-from lazy_tools.finetune import main as finetune_main
-from lazy_tools.metrics import attention_statistics, perplexity
+from lazy_llama_tools.data import brown_text_file, smollm2_llama_dir
+from lazy_llama_tools.finetune import load_model
+from lazy_llama_tools.finetune import main as finetune_main
+from lazy_llama_tools.metrics import attention_statistics, perplexity
 
 
 def evaluate(model, tokens: torch.Tensor, rows: int, context: int, stats_rows_per_call: int = 2) -> dict:

@@ -13,7 +13,7 @@ The C++ source is `csrc/lazy_attention_cpu.cpp`, built when the project is insta
 `pip install --no-build-isolation .`) into the module `lazy_llama_cpu`; this file only imports it, so loading a
 checkpoint with `trust_remote_code` never compiles anything. Where the module is absent (no compiler at install
 time, or a checkpoint's code used without the project), `available()` warns once and returns False and the callers
-keep their PyTorch paths; `LAZY_ATTENTION_CPU_KERNEL=0` switches the ops off. The callers ask `decode_supported` /
+keep their PyTorch paths; `LAZY_LLAMA_CPU_KERNEL=0` switches the ops off. The callers ask `decode_supported` /
 `cache_write_supported` (CPU tensors of a supported dtype and unit last stride) before calling an op; the ops check
 the same again (a clear error, never a foreign pointer).
 
@@ -22,10 +22,11 @@ and off. A value row that no head of its group weights is not read (as the PyTor
 a NaN there reaches the output only when some head weights it.
 """
 
-import os
 import warnings
 
 import torch
+
+from .lazy_attention_reference import environment_setting
 
 try:
     import lazy_llama_cpu  # noqa: F401  (registers torch.ops.lazy_llama.cpu_*)
@@ -39,15 +40,15 @@ _WARNED: list = []
 
 
 def available() -> bool:
-    """True when the native ops are installed and not switched off (`LAZY_ATTENTION_CPU_KERNEL=0`); warns once when
+    """True when the native ops are installed and not switched off (`LAZY_LLAMA_CPU_KERNEL=0`); warns once when
     they are not installed."""
-    if os.environ.get("LAZY_ATTENTION_CPU_KERNEL", "1") == "0":
+    if environment_setting("CPU_KERNEL", "1") == "0":
         return False
     if _MISSING is not None and not _WARNED:
         _WARNED.append(True)
         warnings.warn(f"LazyLlama's native CPU op (lazy_llama_cpu) is not installed ({_MISSING}); using the PyTorch "
                       "path. Install the project with `pip install --no-build-isolation .` (needs a C++ compiler) "
-                      "or set LAZY_ATTENTION_CPU_KERNEL=0 to silence this.", stacklevel=3)
+                      "or set LAZY_LLAMA_CPU_KERNEL=0 to silence this.", stacklevel=3)
     return _MISSING is None
 
 

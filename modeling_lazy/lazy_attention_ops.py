@@ -2,7 +2,7 @@
 
 Every caller (the model's `"lazy"` attention, the vLLM backend, benchmarks, tests) calls `lazy_attention` (or, for
 a vLLM step against the paged cache, `lazy_attention_paged`). `choose_kernel` decides from the device, grad mode,
-query rows, layout, dtype and `LAZY_ATTENTION_BACKEND` which kernel runs; each kernel family is a registered
+query rows, layout, dtype and `LAZY_LLAMA_BACKEND` which kernel runs; each kernel family is a registered
 operator, so `torch.compile`, `make_fx` and `torch.export` see one node per call (no graph break) and run the
 project's kernels in the compiled program:
 
@@ -31,12 +31,11 @@ import os
 import torch
 
 from .lazy_attention_cpu import decode_supported
-from .lazy_attention_reference import LazyMetadata, _is_causal_layout
+from .lazy_attention_reference import DECODE_MAX_ROWS, LazyMetadata, _is_causal_layout, environment_setting
 from .lazy_attention_torch import softmax_only, torch_backward, torch_forward
 
 try:
     from .lazy_attention_triton import (
-        DECODE_MAX_QUERIES,
         _backward,
         _causal_forward,
         _check_inputs,
@@ -46,14 +45,10 @@ try:
     )
 except ImportError:  # triton not installed (CPU-only or Hub users): the PyTorch path serves every device
     _forward = None
-    DECODE_MAX_QUERIES = 16
 
-BACKEND_ENV = "LAZY_ATTENTION_BACKEND"
+BACKEND_ENV = "LAZY_LLAMA_BACKEND"
 BACKENDS = ("auto", "triton", "torch")
 TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-# Query rows up to which inference takes a decode kernel rather than a prefill (the Triton packed decode and the
-# PyTorch few-row decode; `tl.dot` needs tiles of >= 16 rows).
-DECODE_ROWS = DECODE_MAX_QUERIES
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -62,9 +57,9 @@ DECODE_ROWS = DECODE_MAX_QUERIES
 
 
 def requested_backend(backend: str | None = None) -> str:
-    """`backend`, or `LAZY_ATTENTION_BACKEND` (read at every call) when None: auto | triton | torch; a bad value is
+    """`backend`, or `LAZY_LLAMA_BACKEND` (read at every call) when None: auto | triton | torch; a bad value is
     refused."""
-    choice = (os.environ.get(BACKEND_ENV, "auto") if backend is None else backend).strip().lower()
+    choice = (environment_setting("BACKEND", "auto") if backend is None else backend).strip().lower()
     if choice not in BACKENDS:
         raise ValueError(f"{BACKEND_ENV} (or backend=) must be one of auto, triton, torch; got {choice!r}.")
     return choice
@@ -78,7 +73,7 @@ def triton_runs_on(device: torch.device) -> bool:
 
 
 def uses_triton(device: torch.device, dtype: torch.dtype = torch.float32, backend: str | None = None) -> bool:
-    """True when calls on `device` in `dtype` go to the Triton kernels. `backend` (default: `LAZY_ATTENTION_BACKEND`)
+    """True when calls on `device` in `dtype` go to the Triton kernels. `backend` (default: `LAZY_LLAMA_BACKEND`)
     `auto`: CUDA and a float16/bfloat16/float32 dtype; `triton`: always, refused where the kernels cannot run;
     `torch`: never."""
     choice = requested_backend(backend)
@@ -101,12 +96,12 @@ def choose_kernel(device: torch.device, dtype: torch.dtype, query_rows: int, bat
 
     Args: the query's device and dtype, query rows `Tq`, batch `B`, the metadata's layout (`causal`;
     `static_buffer`: a static cache's whole buffer under torch.compile), whether a backward follows (`needs_grad`),
-    `backend` (None: `LAZY_ATTENTION_BACKEND`), and two facts only real tensors give (asked inside the PyTorch op;
+    `backend` (None: `LAZY_LLAMA_BACKEND`), and two facts only real tensors give (asked inside the PyTorch op;
     False at trace time): `softmax_only` (tau and the distance bias all zero, and SDPA's causal mask aligned: one
     query row or no cached keys) and `native_layout` (key and value in the query's dtype with contiguous channels,
     the native op's layout: `lazy_attention_cpu.decode_supported`, which also says whether the op is installed).
 
-        Triton (uses_triton: LAZY_ATTENTION_BACKEND, device, dtype); a static buffer only for one query row
+        Triton (uses_triton: LAZY_LLAMA_BACKEND, device, dtype); a static buffer only for one query row
           causal, training or Tq > 16                     triton_causal  (the causal fast path; training stores U
                                                                           for its backward; <= 16 rows: the packed
                                                                           decode forward, the general backward)
@@ -121,7 +116,7 @@ def choose_kernel(device: torch.device, dtype: torch.dtype, query_rows: int, bat
           otherwise                                       torch_prefill  (chunked, inference)
     """
     if uses_triton(device, dtype, backend) and not (static_buffer and query_rows > 1):
-        if causal and (needs_grad or query_rows > DECODE_ROWS):
+        if causal and (needs_grad or query_rows > DECODE_MAX_ROWS):
             return "triton_causal"
         return "triton_decode" if causal else "triton"
     if needs_grad:
@@ -133,7 +128,7 @@ def choose_kernel(device: torch.device, dtype: torch.dtype, query_rows: int, bat
         return "cpu_decode"
     if plain_row and batch == 1:
         return "torch_one_row"
-    return "torch_decode" if query_rows <= DECODE_ROWS else "torch_prefill"
+    return "torch_decode" if query_rows <= DECODE_MAX_ROWS else "torch_prefill"
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -224,7 +219,7 @@ def _triton_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     path (`u` = its U when `store_u`, for the backward; `tl.dot` needs 16 rows, so <= 16 rows run the packed decode,
     whose backward is the general one), otherwise the general kernel (key offset `Tk - Tq`); u is `[0]` when not
     stored."""
-    if causal and query.shape[2] > DECODE_MAX_QUERIES:
+    if causal and query.shape[2] > DECODE_MAX_ROWS:
         out, lse, u = _causal_forward(query, key, value, tau, distance_bias, q_pos, scaling,
                                       _check_inputs(query, key), store_u)
     elif causal:
@@ -280,7 +275,7 @@ def _triton_attention_fake(query, key, value, tau, distance_bias, q_pos, k_pos, 
                            scaling):
     bsz, num_heads, q_len, dim = query.shape
     f32 = dict(dtype=torch.float32, device=query.device)
-    u = (bsz, q_len, num_heads, dim) if causal and store_u and q_len > DECODE_MAX_QUERIES else (0,)
+    u = (bsz, q_len, num_heads, dim) if causal and store_u and q_len > DECODE_MAX_ROWS else (0,)
     return query.new_empty(bsz, q_len, num_heads, dim), torch.empty(bsz, num_heads, q_len, **f32), torch.empty(u, **f32)
 
 
@@ -348,7 +343,7 @@ def lazy_attention(query, key, value, tau, distance_bias, metadata: LazyMetadata
     Args:
         query: `[B, Hq, Tq, D]`; key, value: `[B, Hkv, >= Tk, D]` (a static cache may hand over its whole buffer).
         tau: `[Hq]`; distance_bias: `[Hq, W]`; metadata: the call's `LazyMetadata`; scaling: the score scale.
-        backend: None (read `LAZY_ATTENTION_BACKEND`), or `"triton"` / `"torch"` to force one for this call.
+        backend: None (read `LAZY_LLAMA_BACKEND`), or `"triton"` / `"torch"` to force one for this call.
     """
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value, tau, distance_bias))
     kernel = choose_kernel(query.device, query.dtype, query.shape[2], query.shape[0], metadata.causal,

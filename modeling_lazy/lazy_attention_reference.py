@@ -14,9 +14,35 @@ Visibility is described by per-token integer tensors rather than an L x L mask, 
 inputs, built once per forward by `lazy_attention_metadata` and carried in a `LazyMetadata`.
 """
 
+import os
+import warnings
 from typing import NamedTuple
 
 import torch
+
+# Query rows per call up to which inference takes a decode path rather than a prefill (the Triton packed decode,
+# the PyTorch few-row decode): `tl.dot` needs tiles of >= 16 rows.
+DECODE_MAX_ROWS = 16
+ENV_PREFIX = "LAZY_LLAMA_"
+# Names used before the single prefix: still read, with one deprecation line each.
+_OLD_ENV_NAMES = {"LAZY_LLAMA_BACKEND": "LAZY_ATTENTION_BACKEND", "LAZY_LLAMA_CPU_KERNEL": "LAZY_ATTENTION_CPU_KERNEL",
+                  "LAZY_LLAMA_CACHE": "LAZYLLAMA_CACHE"}
+_WARNED_OLD_NAMES: set = set()
+
+
+def environment_setting(name: str, default: str | None = None) -> str | None:
+    """The environment variable `LAZY_LLAMA_<name>` (read at every call), else its old name (warned once), else
+    `default`. Every variable the project reads goes through here, so they all share one prefix."""
+    full = ENV_PREFIX + name
+    if full in os.environ:
+        return os.environ[full]
+    old = _OLD_ENV_NAMES.get(full)
+    if old is not None and old in os.environ:
+        if old not in _WARNED_OLD_NAMES:
+            _WARNED_OLD_NAMES.add(old)
+            warnings.warn(f"{old} is deprecated: set {full} instead (same values).", FutureWarning, stacklevel=2)
+        return os.environ[old]
+    return default
 
 
 class LazyMetadata(NamedTuple):

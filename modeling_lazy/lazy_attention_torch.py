@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from .lazy_attention_cpu import available as cpu_ops_available
 from .lazy_attention_cpu import lazy_decode_cpu, lazy_elastic_rows
-from .lazy_attention_reference import LazyMetadata, compute_dtype, distance_bias_scores, lazy_visibility
+from .lazy_attention_reference import DECODE_MAX_ROWS, LazyMetadata, compute_dtype, distance_bias_scores, lazy_visibility
 
 # ---------------------------------------------------------------------------------------------------
 # Memory-efficient path: query chunks against the (causally needed) keys. A chunk's rows see all their
@@ -386,7 +386,6 @@ def _pad_keys(grad: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
 # `_SPARSE_V_MIN_KEYS` keys on, when the densest group needs at most `_SPARSE_V_MAX_DENSITY` of them.
 # ---------------------------------------------------------------------------------------------------
 
-_DECODE_MAX_ROWS = 16  # query rows per call up to which inference takes the decode path
 _SPARSE_V_MIN_KEYS = 4096
 _SPARSE_V_MAX_DENSITY = 0.25
 
@@ -609,7 +608,7 @@ def torch_forward(kernel: str, query, key, value, tau, distance_bias, metadata: 
 
 
 def lazy_attention_torch(query, key, value, tau, distance_bias, metadata: LazyMetadata, scaling):
-    """Exact Lazy Attention without any L x L tensor (the PyTorch path, whatever `LAZY_ATTENTION_BACKEND` says):
+    """Exact Lazy Attention without any L x L tensor (the PyTorch path, whatever `LAZY_LLAMA_BACKEND` says):
     `lazy_attention_ops.lazy_attention(..., backend="torch")`. Same arguments as `lazy_attention_reference`;
     returns `out [B, Tq, Hq, D]` in the query dtype."""
     from .lazy_attention_ops import lazy_attention  # the op layer imports this file

@@ -73,7 +73,7 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # Block configurations (the ones shipped; tests/test_triton_aot.py compiles every one for sm_80/sm_90).
 # ---------------------------------------------------------------------------------------------------
 MAX_HEAD_DIM = 256
-DECODE_MAX_QUERIES = 16  # query length <= this uses the decode blocks (tl.dot needs tiles >= 16)
+DECODE_MAX_ROWS = 16  # lazy_attention_reference.DECODE_MAX_ROWS (this file is also loaded alone, ahead of time)
 SPLIT_MIN_KEYS = 256  # a split-K slice covers at least this many keys
 # Row log-sum-exp stored for a row without a normaliser (every visible score -inf, or nothing visible): p = 0 on
 # every key, and `_row_threshold` turns tau/n into a large negative, so every weight a_ij of that row is 0.
@@ -565,7 +565,7 @@ def _lazy_paged_fwd_kernel(Q, K, V, TAU, BAND, BLOCK_TABLE, QUERY_START, KLEN, T
 
 
 # ---------------------------------------------------------------------------------------------------
-# Packed decode (plain layout, query length <= DECODE_MAX_QUERIES; and vLLM's paged cache). The query heads of one
+# Packed decode (plain layout, query length <= DECODE_MAX_ROWS; and vLLM's paged cache). The query heads of one
 # GQA group times the query rows are packed as the rows of one tile (`r = g * Tq + t`; rows past G * Tq repeat the
 # last one and are not stored), so one program reads each K and V tile of its slice of keys (split-K) once per KV
 # head. Query row t of batch row b stands at key index `k_len_b - Tq + t` (`k_len_b`: that row's key length; the
@@ -1099,12 +1099,12 @@ def _check_inputs(query: torch.Tensor, key: torch.Tensor) -> int:
     if query.dtype not in _DOT_PRECISION or key.dtype != query.dtype:
         raise TypeError(
             f"lazy_attention_triton runs float16, bfloat16 and float32 (query and key alike); got "
-            f"{query.dtype} / {key.dtype}. Use LAZY_ATTENTION_BACKEND=torch for other dtypes (e.g. float64)."
+            f"{query.dtype} / {key.dtype}. Use LAZY_LLAMA_BACKEND=torch for other dtypes (e.g. float64)."
         )
     dim = query.shape[-1]
     if dim > MAX_HEAD_DIM:
         raise ValueError(f"lazy_attention_triton supports head_dim <= {MAX_HEAD_DIM}, got {dim}; "
-                         "use LAZY_ATTENTION_BACKEND=torch.")
+                         "use LAZY_LLAMA_BACKEND=torch.")
     if query.shape[1] % key.shape[1]:
         raise ValueError(f"query heads ({query.shape[1]}) must be a multiple of key/value heads ({key.shape[1]}).")
     return max(16, triton.next_power_of_2(dim))
@@ -1166,7 +1166,7 @@ def _forward(query, key, value, tau, distance_bias, q_pos, k_pos, q_seg, k_seg, 
     bsz, num_heads, q_len, dim = query.shape
     kv_heads, k_len, window = key.shape[1], key.shape[2], distance_bias.shape[-1]
     query, key, value = (_last_dim_contiguous(x) for x in (query, key, value))
-    decode = q_len <= DECODE_MAX_QUERIES
+    decode = q_len <= DECODE_MAX_ROWS
     block_m, block_n, num_warps, num_stages = _config("decode" if decode else "fwd", block_d,
                                                       _gpu_family(query.device))
     q_tiles = triton.cdiv(q_len, block_m)
@@ -1238,7 +1238,7 @@ def _packed_decode(query, key, value, tau, distance_bias, q_pos, key_lengths, sc
                    block_table=None, key_capacity=None):
     """Launch the packed decode: `(out [B, Tq, Hq, D], lse [B, Hq, Tq] float32)`.
 
-    query `[B, Hq, Tq, D]`, Tq <= DECODE_MAX_QUERIES; key, value `[B, Hkv, >= key length, D]`, or with
+    query `[B, Hq, Tq, D]`, Tq <= DECODE_MAX_ROWS; key, value `[B, Hkv, >= key length, D]`, or with
     `block_table [B, max blocks]` int32 the paged caches `[num_blocks, Hkv, page size, D]`; q_pos `[B, Tq]` int32
     (n = q_pos + 1); key_lengths `[B]` int32: query row t of batch row b stands at key index
     `key_lengths[b] - Tq + t`. `key_capacity` bounds the key lengths (default: the key buffer's length, paged: max
@@ -1338,7 +1338,7 @@ def _backward(grad_out, query, key, value, tau, distance_bias, q_pos, k_pos, q_s
     kv_heads, k_len, window = key.shape[1], key.shape[2], distance_bias.shape[-1]
     (query, dq), (key, dk), (value, dv) = (_with_gradient_buffer(x) for x in (query, key, value))
     grad_out = _last_dim_contiguous(grad_out)
-    if causal and q_len > DECODE_MAX_QUERIES:
+    if causal and q_len > DECODE_MAX_ROWS:
         if out is None or u is None:
             raise ValueError("the causal fast-path backward needs the forward's out and U (store_u=True)")
         return _causal_backward(grad_out, query, key, value, dq, dk, dv, tau, distance_bias, q_pos, q_seg, lse,
@@ -1436,7 +1436,7 @@ def _kernel_inputs(key, value, metadata: "LazyMetadata"):
 
 def lazy_attention_triton(query, key, value, tau, distance_bias, metadata: "LazyMetadata", scaling):
     """Lazy Attention with the Triton kernels (CUDA tensors, or CPU tensors under TRITON_INTERPRET=1), whatever
-    `LAZY_ATTENTION_BACKEND` says: `lazy_attention_ops.lazy_attention(..., backend="triton")`.
+    `LAZY_LLAMA_BACKEND` says: `lazy_attention_ops.lazy_attention(..., backend="triton")`.
 
     Args:
         query: `[B, Hq, Tq, D]`; key, value: `[B, Hkv, >= Tk, D]` (float16, bfloat16 or float32; views allowed).

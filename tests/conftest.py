@@ -68,7 +68,7 @@ def pytest_runtest_makereport(item, call):
     return report
 
 
-PROJECT_PACKAGES = ("modeling_lazy", "configuration_lazy", "conversion", "lazy_tools")
+PROJECT_PACKAGES = ("modeling_lazy", "configuration_lazy", "conversion", "lazy_llama_tools")
 
 
 def run_without_project(script: str, args=(), *, cwd, env, timeout: int = 600):

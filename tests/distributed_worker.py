@@ -46,7 +46,7 @@ def finetune(mode: str, model_dir: str, data_dir: str, out: str, bf16: bool = Fa
     from transformers import AutoTokenizer, TrainingArguments
     from transformers.distributed import DistributedConfig
 
-    from lazy_tools.finetune import build_trainer, load_documents, load_model, packed_dataset
+    from lazy_llama_tools.finetune import build_trainer, load_documents, load_model, packed_dataset
 
     distributed_config = DistributedConfig(fsdp_size=WORLD) if mode == "fsdp" else None
     model, _ = load_model(model_dir, distributed_config=distributed_config)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from lazy_tools import cli
+from lazy_llama_tools import cli
 
 ROOT = Path(__file__).resolve().parents[1]
 TOOLS = {
@@ -26,7 +26,7 @@ FIRST_POSITIONAL = {"lazy-convert": "SRC", "lazy-inspect": "MODEL", "lazy-evalua
 def _run_tool(function: str, *args: str) -> subprocess.CompletedProcess:
     """The console script's function in a fresh interpreter (what `lazy-...` runs), reporting whether torch or
     transformers got imported."""
-    code = (f"import sys, atexit\nfrom lazy_tools.cli import {function}\n"
+    code = (f"import sys, atexit\nfrom lazy_llama_tools.cli import {function}\n"
             "atexit.register(lambda: print('heavy imports:', sorted({'torch', 'transformers'} & set(sys.modules)), "
             "file=sys.stderr))\n"
             f"sys.exit({function}())")
@@ -105,7 +105,7 @@ def test_a_bad_device_spelling_is_refused_before_torch_loads():
 
 def test_finetune_training_options_reach_training_arguments(tmp_path):
     """The rest of the command line goes to TrainingArguments (hyphenated), and unknown options are refused."""
-    from lazy_tools.finetune import training_arguments
+    from lazy_llama_tools.finetune import training_arguments
 
     args, rest = cli.parse_finetune(["m", "--train-file", "a", "--output_dir", str(tmp_path), "--max-steps", "7",
                                      "--learning-rate", "0.5", "--use-cpu", "true"])

@@ -342,7 +342,7 @@ def test_interrupt_while_out_is_replaced_leaves_a_whole_out_and_says_which(tmp_p
     monkeypatch.setattr(os, "rename", signalling(os.rename))
     monkeypatch.setattr(os, "replace", signalling(os.replace))
     try:
-        from lazy_tools import folders
+        from lazy_llama_tools import folders
     except ImportError:  # the code before the swap protocol: the renames above are all there is
         folders = None
     if folders is not None:
@@ -527,7 +527,7 @@ print(f"PEAK {status('VmHWM') - start} {summary['bytes']}")
 def test_smollm2_converts_verifies_loads_and_generates(tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from lazy_tools.data import smollm2_llama_dir
+    from lazy_llama_tools.data import smollm2_llama_dir
 
     try:
         source = smollm2_llama_dir()

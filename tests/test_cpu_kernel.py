@@ -197,7 +197,7 @@ def test_nan_and_inf_propagate_as_in_the_pytorch_path(case, dtype, isa, monkeypa
     monkeypatch.setattr(ops, "_kernel_decode", lambda *args: calls.append(1) or kernel_decode(*args))
     results = []
     for switch in ("1", "0"):
-        monkeypatch.setenv("LAZY_ATTENTION_CPU_KERNEL", switch)
+        monkeypatch.setenv("LAZY_LLAMA_CPU_KERNEL", switch)
         with torch.no_grad():
             results.append(ops.lazy_attention_torch(q, k, v, tau, bias, meta, dim**-0.5))
     assert calls == [1], "the native op was not used"
@@ -231,7 +231,7 @@ def test_nan_in_a_prefill_propagates_as_in_the_reference(case, isa, monkeypatch,
     monkeypatch.setattr(ops, "lazy_elastic_rows", lambda *args: calls.append(1) or rows(*args))
     results = []
     for switch in ("1", "0"):
-        monkeypatch.setenv("LAZY_ATTENTION_CPU_KERNEL", switch)
+        monkeypatch.setenv("LAZY_LLAMA_CPU_KERNEL", switch)
         with torch.no_grad():
             results.append(ops.lazy_attention_torch(q, k, v, tau, bias, meta, dim**-0.5))
     assert calls, "the native row pass was not used"
@@ -353,7 +353,7 @@ def test_cache_write_of_every_dtype(rng_seed):
 
 
 def test_switched_off_by_the_environment(monkeypatch):
-    monkeypatch.setenv("LAZY_ATTENTION_CPU_KERNEL", "0")
+    monkeypatch.setenv("LAZY_LLAMA_CPU_KERNEL", "0")
     q, k, v, *_ = _contiguous_case("mha-d12", 13, "zero")
     assert not cpu.available() and not cpu.decode_supported(q, k, v)
 
@@ -393,7 +393,7 @@ def test_generate_compiles_nothing_and_runs_without_the_module(module, tmp_path)
     home.mkdir()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "XDG_", "TORCH", "TRITON"))}
     env.update(HOME=str(home), HF_HOME=str(hf_home), HF_HUB_OFFLINE="1", PYTHONPATH=str(ROOT),
-               LAZY_ATTENTION_CPU_KERNEL="1")
+               LAZY_LLAMA_CPU_KERNEL="1")
     done = subprocess.run([sys.executable, "-c", GENERATE_SCRIPT, str(tmp_path / "ckpt"), module], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
@@ -420,7 +420,7 @@ def test_greedy_generation_with_the_kernel_equals_the_pytorch_path(monkeypatch, 
     for ids in (torch.randint(3, 97, (1, 30)), torch.randint(3, 97, (3, 12))):
         results = []
         for switch in ("1", "0"):
-            monkeypatch.setenv("LAZY_ATTENTION_CPU_KERNEL", switch)
+            monkeypatch.setenv("LAZY_LLAMA_CPU_KERNEL", switch)
             calls.clear()
             with torch.no_grad():
                 results.append(model.generate(ids, max_new_tokens=12, min_new_tokens=12, do_sample=False,
@@ -448,7 +448,7 @@ def test_bfloat16_generation_decodes_with_the_native_op(monkeypatch, rng_seed):
     assert len(calls) == 4 * model.config.num_hidden_layers, len(calls)
     logits = []
     for switch in ("1", "0"):
-        monkeypatch.setenv("LAZY_ATTENTION_CPU_KERNEL", switch)
+        monkeypatch.setenv("LAZY_LLAMA_CPU_KERNEL", switch)
         with torch.no_grad():
             prefix = model(out[:, :-1], use_cache=True)
             logits.append(model(out[:, -1:], cache=prefix.past_key_values).logits.float())

@@ -10,14 +10,14 @@ import textwrap
 
 import pytest
 
-from lazy_tools import data
+from lazy_llama_tools import data
 
 
 @pytest.fixture
 def empty_cache(tmp_path, monkeypatch):
-    """An empty `$LAZYLLAMA_CACHE`, so nothing fetched earlier is found."""
+    """An empty `$LAZY_LLAMA_CACHE`, so nothing fetched earlier is found."""
     cache = tmp_path / "cache"
-    monkeypatch.setenv("LAZYLLAMA_CACHE", str(cache))
+    monkeypatch.setenv("LAZY_LLAMA_CACHE", str(cache))
     return cache
 
 

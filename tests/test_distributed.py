@@ -87,7 +87,7 @@ def finetune_workspace(tmp_path_factory):
 
 
 def _cli(workspace, output_dir, *extra):
-    return ["-m", "lazy_tools.finetune", workspace / "model",
+    return ["-m", "lazy_llama_tools.finetune", workspace / "model",
             "--train-file", workspace / "data" / "train.txt", "--output-dir", output_dir, "--block-size", "64",
             "--max-train-blocks", "8", "--per-device-train-batch-size", "4", "--max-steps", "1", "--logging-steps", "1",
             "--save-strategy", "no", "--report-to", "none", "--disable-tqdm", "true", "--use-cpu", "true",

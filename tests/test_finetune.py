@@ -1,4 +1,4 @@
-"""Fine-tuning with `transformers.Trainer` (`lazy_tools.finetune`) on a tiny LazyLlama: packing and labels, loss
+"""Fine-tuning with `transformers.Trainer` (`lazy_llama_tools.finetune`) on a tiny LazyLlama: packing and labels, loss
 decrease, parameter groups, `lazy-only`, resume, PEFT LoRA, and a 2-process CPU DDP run (torchrun, gloo)."""
 
 import json
@@ -14,8 +14,8 @@ from safetensors.torch import load_file
 from transformers import TrainingArguments
 
 import modeling_lazy  # noqa: F401
-from lazy_tools import finetune
-from lazy_tools.finetune import (
+from lazy_llama_tools import finetune
+from lazy_llama_tools.finetune import (
     LazyAttentionCallback,
     PackedBlockCollator,
     build_trainer,
@@ -227,7 +227,7 @@ def test_modules_to_save_naming_tau_or_bias_warns(workspace, tmp_path):
 
 
 def _cli(workspace, output_dir, batch_per_device):
-    return ["-m", "lazy_tools.finetune", str(workspace["model_dir"]),
+    return ["-m", "lazy_llama_tools.finetune", str(workspace["model_dir"]),
             "--train-file", str(workspace["files"]["train"]), "--eval-file", str(workspace["files"]["eval"]),
             "--output-dir", str(output_dir), "--block-size", str(BLOCK), "--max-train-blocks", "8",
             "--max-eval-blocks", "4", "--per-device-train-batch-size", str(batch_per_device),
@@ -339,7 +339,7 @@ def test_a_stale_gguf_quantization_note_does_not_stop_training_or_saving(workspa
     the loaders drop the note, so Trainer accepts the model and a loaded model can be saved again."""
     import shutil
 
-    from lazy_tools.loading import load_causal_lm
+    from lazy_llama_tools.loading import load_causal_lm
 
     folder = tmp_path / "noted"
     shutil.copytree(workspace["model_dir"], folder)

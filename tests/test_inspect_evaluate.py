@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import modeling_lazy  # noqa: F401
-from lazy_tools import evaluate, inspect_attention
+from lazy_llama_tools import evaluate, inspect_attention
 from modeling_lazy import LazyLlamaConfig, LazyLlamaForCausalLM
 
 WORDS = ("the cat dog sat on a mat and ran to house tree big small red blue green saw it was "

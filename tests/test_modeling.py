@@ -284,13 +284,28 @@ def test_default_implementation_is_lazy_and_output_attentions_uses_the_reference
 def test_backend_environment_variable(monkeypatch):
     model = tiny_model()
     ids = torch.randint(3, 97, (1, 8))
-    monkeypatch.setenv("LAZY_ATTENTION_BACKEND", "torch")
+    monkeypatch.setenv("LAZY_LLAMA_BACKEND", "torch")
     base = model(ids).logits
-    monkeypatch.setenv("LAZY_ATTENTION_BACKEND", "bogus")
-    with pytest.raises(ValueError, match="LAZY_ATTENTION_BACKEND"):
+    monkeypatch.setenv("LAZY_LLAMA_BACKEND", "bogus")
+    with pytest.raises(ValueError, match="LAZY_LLAMA_BACKEND"):
         model(ids)
-    monkeypatch.setenv("LAZY_ATTENTION_BACKEND", "auto")
+    monkeypatch.setenv("LAZY_LLAMA_BACKEND", "auto")
     assert torch.equal(model(ids).logits, base)
+
+
+@pytest.mark.parametrize("old, new, value", [("LAZY_ATTENTION_BACKEND", "BACKEND", "torch"),
+                                             ("LAZY_ATTENTION_CPU_KERNEL", "CPU_KERNEL", "0"),
+                                             ("LAZYLLAMA_CACHE", "CACHE", "/tmp/somewhere")])
+def test_old_environment_names_still_work_with_a_deprecation_line(monkeypatch, old, new, value):
+    from modeling_lazy import lazy_attention_reference as reference
+
+    monkeypatch.setattr(reference, "_WARNED_OLD_NAMES", set())
+    monkeypatch.delenv("LAZY_LLAMA_" + new, raising=False)
+    monkeypatch.setenv(old, value)
+    with pytest.warns(FutureWarning, match=f"{old} is deprecated: set LAZY_LLAMA_{new}"):
+        assert reference.environment_setting(new) == value
+    monkeypatch.setenv("LAZY_LLAMA_" + new, "new-wins")  # the new name takes precedence, silently
+    assert reference.environment_setting(new) == "new-wins"
 
 
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)

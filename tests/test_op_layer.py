@@ -2,7 +2,7 @@
 models that run the project's kernels.
 
 CPU only and fast. The Triton operators are traced in a child process under TRITON_INTERPRET=1 with
-`LAZY_ATTENTION_BACKEND=triton` (that is how CPU tensors reach them), on fake tensors: tracing never launches a
+`LAZY_LLAMA_BACKEND=triton` (that is how CPU tensors reach them), on fake tensors: tracing never launches a
 kernel. (Fake CUDA tensors cannot be used on a CPU-only torch build: slicing, `contiguous` and factory calls on them
 need a CUDA device guard the build lacks; the table's CUDA rows are checked on their own below.)
 """
@@ -88,7 +88,7 @@ def test_backend_variable_is_read_at_every_call_and_refused_when_wrong(monkeypat
     monkeypatch.setenv(ops.BACKEND_ENV, "Torch ")
     assert ops.requested_backend() == "torch" and not ops.uses_triton(CUDA)
     monkeypatch.setenv(ops.BACKEND_ENV, "fast")
-    with pytest.raises(ValueError, match="LAZY_ATTENTION_BACKEND.*auto, triton, torch; got 'fast'"):
+    with pytest.raises(ValueError, match="LAZY_LLAMA_BACKEND.*auto, triton, torch; got 'fast'"):
         table(CPU)
     monkeypatch.setenv(ops.BACKEND_ENV, "auto")
     assert not ops.uses_triton(CPU)

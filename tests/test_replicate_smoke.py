@@ -1,10 +1,10 @@
-"""Smoke run of the replication study (lazy_tools/replicate.py): a few steps of all four variants at tiny sizes,
+"""Smoke run of the replication study (lazy_llama_tools/replicate.py): a few steps of all four variants at tiny sizes,
 so the script never rots. The real run and its numbers are in REPLICATION.md."""
 
 import json
 import math
 
-from lazy_tools import replicate
+from lazy_llama_tools import replicate
 
 TINY = ["--steps", "12", "--batch-size", "4", "--context", "32", "--hidden-size", "32", "--intermediate-size", "64",
         "--layers", "2", "--heads", "2", "--lr", "3e-3", "--train-docs", "8", "--eval-docs", "2",

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from serving.serve_dtype import cpu_flags, serve_dtype
+from lazy_llama_vllm.serve_dtype import cpu_flags, serve_dtype
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -47,7 +47,7 @@ def test_cpu_flags_reads_flags_and_features_lines():
 
 
 def test_unreadable_cpuinfo_serves_float32(monkeypatch, tmp_path):
-    monkeypatch.setattr("serving.serve_dtype.CPUINFO", tmp_path / "missing")
+    monkeypatch.setattr("lazy_llama_vllm.serve_dtype.CPUINFO", tmp_path / "missing")
     assert serve_dtype() == "float32"
 
 

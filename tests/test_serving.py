@@ -130,7 +130,7 @@ def test_converted_smollm2_at_tau_0_and_minus_half(tmp_path):
     and at tau = -0.5 (set in place on the served model, prefix cache reset), and answers Paris."""
     from transformers import AutoTokenizer
 
-    from serving.smollm2 import converted_smollm2
+    from lazy_llama_vllm.smollm2 import converted_smollm2
 
     folder = converted_smollm2()
     tokenizer = AutoTokenizer.from_pretrained(folder)
@@ -182,7 +182,7 @@ def test_unservable_folder_fails_with_a_clear_message(tmp_path, rng_seed):
 TRITON_STEP = r"""
 import os, sys, types
 import torch
-from serving.lazy_attention_backend import LazyAttentionImpl, LazyAttentionMetadataBuilder
+from lazy_llama_vllm.lazy_attention_backend import LazyAttentionImpl, LazyAttentionMetadataBuilder
 
 seed = int(sys.argv[1])
 gen = torch.Generator().manual_seed(seed)
@@ -212,7 +212,7 @@ builder.block_size, builder.num_kv_heads, builder.device = page, kv_heads, torch
 query = torch.randn(int(starts[-1]) + 3, heads, dim, generator=gen)  # vLLM pads the step: 3 unused rows
 outputs = {}
 for backend in ("triton", "torch"):
-    os.environ["LAZY_ATTENTION_BACKEND"] = backend
+    os.environ["LAZY_LLAMA_BACKEND"] = backend
     metadata = builder.build(0, common)
     assert (metadata.paged is not None) == (backend == "triton") and metadata.paged is None or \
         metadata.paged.num_decodes == 2
@@ -229,7 +229,7 @@ assert (outputs["triton"][count:] == 0).all()  # padding rows untouched
 
 def test_triton_paged_path_equals_the_pytorch_path(tmp_path, rng_seed):
     """On CUDA the backend runs the step through `lazy_attention_paged` (the `lazy_llama::triton_paged` op); here the
-    same code under the Triton interpreter (CPU tensors, `LAZY_ATTENTION_BACKEND=triton`) against the backend's
+    same code under the Triton interpreter (CPU tensors, `LAZY_LLAMA_BACKEND=triton`) against the backend's
     PyTorch path, on one mixed step: two decode requests first, a whole prompt, a chunk after 30 cached keys; shuffled
     pages, huge values in unowned slots."""
     pytest.importorskip("triton")
@@ -254,7 +254,7 @@ def test_cpu_path_reads_only_owned_cache_rows_and_runs_small_groups_on_one_threa
     float64 of the rounded inputs."""
     import types
 
-    import serving.lazy_attention_backend as backend
+    import lazy_llama_vllm.lazy_attention_backend as backend
     from modeling_lazy.lazy_attention_cpu import available
 
     gen = torch.Generator().manual_seed(rng_seed)
@@ -271,7 +271,7 @@ def test_cpu_path_reads_only_owned_cache_rows_and_runs_small_groups_on_one_threa
     if decode == "c-kernel":
         assert available(), "the native CPU op is not built: run `python setup.py build_ext --inplace`"
     else:
-        monkeypatch.setenv("LAZY_ATTENTION_CPU_KERNEL", "0")
+        monkeypatch.setenv("LAZY_LLAMA_CPU_KERNEL", "0")
     keys = [torch.randn(n, kv_heads, dim, generator=gen).to(dtype) for n in seq_lens]
     values = [torch.randn(n, kv_heads, dim, generator=gen).to(dtype) for n in seq_lens]
     for r, n in enumerate(seq_lens):
@@ -283,7 +283,7 @@ def test_cpu_path_reads_only_owned_cache_rows_and_runs_small_groups_on_one_threa
                                    num_actual_tokens=int(starts[-1]), max_seq_len=max(seq_lens))
     builder = object.__new__(backend.LazyAttentionMetadataBuilder)
     builder.block_size, builder.num_kv_heads, builder.device = page, kv_heads, torch.device("cpu")
-    monkeypatch.setenv("LAZY_ATTENTION_BACKEND", "torch")
+    monkeypatch.setenv("LAZY_LLAMA_BACKEND", "torch")
     metadata = builder.build(0, common)
     query = torch.randn(int(starts[-1]), heads, dim, generator=gen).to(dtype)
 
@@ -323,7 +323,7 @@ def test_cpu_path_reads_only_owned_cache_rows_and_runs_small_groups_on_one_threa
 def test_cache_write_in_c_equals_the_pytorch_write(monkeypatch, rng_seed):
     """The float32 cache write (one native call) leaves the cache exactly as the PyTorch write does: strided key and
     value views (vLLM splits them from one projection), padded tokens (slot -1) skipped, other slots untouched."""
-    import serving.lazy_attention_backend as backend
+    import lazy_llama_vllm.lazy_attention_backend as backend
     from modeling_lazy.lazy_attention_cpu import available
 
     assert available(), "the native CPU op is not built: run `python setup.py build_ext --inplace`"
@@ -337,7 +337,7 @@ def test_cache_write_in_c_equals_the_pytorch_write(monkeypatch, rng_seed):
     slots[[2, 7]] = -1
     caches = []
     for switch in ("1", "0"):
-        monkeypatch.setenv("LAZY_ATTENTION_CPU_KERNEL", switch)
+        monkeypatch.setenv("LAZY_LLAMA_CPU_KERNEL", switch)
         cache = torch.full((6, kv_heads, page, 2 * dim), float("nan"))
         impl.do_kv_cache_update(None, key, value, cache, slots)
         caches.append(cache)
@@ -350,7 +350,7 @@ def test_cache_write_in_c_equals_the_pytorch_write(monkeypatch, rng_seed):
 def test_value_heads_of_another_size_are_refused_clearly(step):
     """Lazy Attention is defined for Llama's equal key and value head sizes: a cache laid out for other value heads
     is refused with a message that names both sizes, at the cache write and at the attention step alike."""
-    import serving.lazy_attention_backend as backend
+    import lazy_llama_vllm.lazy_attention_backend as backend
 
     heads, kv_heads, dim = 4, 2, 16
     impl = backend.LazyAttentionImpl(heads, dim, dim**-0.5, kv_heads, tau=torch.zeros(heads),

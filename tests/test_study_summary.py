@@ -1,5 +1,5 @@
-"""lazy_tools.study_summary pools a grid correctly (synthetic results, no training) and
-lazy_tools.lazify_controls' arms train exactly the parameters they name (a tiny LazyLlama)."""
+"""lazy_llama_tools.study_summary pools a grid correctly (synthetic results, no training) and
+lazy_llama_tools.lazify_controls' arms train exactly the parameters they name (a tiny LazyLlama)."""
 
 import json
 import math
@@ -9,7 +9,7 @@ import statistics
 import pytest
 import torch
 
-from lazy_tools import lazify_controls, study_summary
+from lazy_llama_tools import lazify_controls, study_summary
 from modeling_lazy import LazyLlamaConfig, LazyLlamaForCausalLM
 
 
@@ -88,7 +88,7 @@ def test_lazify_summary_deltas_against_converted_and_best_control_and_pareto(tmp
     results = {
         "config": {"eval_tokens": 20, "eval_context": 512, "stats_tokens": 8, "stats_docs": 1, "steps": 3,
                    "batch_size": 2, "block_size": 16, "seed": 0},
-        "code": "abc", "command": "python -m lazy_tools.lazify_controls", "torch": "x",
+        "code": "abc", "command": "python -m lazy_llama_tools.lazify_controls", "torch": "x",
         "tau_sweep": {"0": {"tau": 0.0, **_evaluation(40.0, 0.0)},
                       "-0.1": {"tau": -0.1, **_evaluation(44.0, 0.6)}},
         "arms": {arm: {"eval": _evaluation(ppl, pooled), "trained_parameters": 7, "losses": [1.0] * 3}

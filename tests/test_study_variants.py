@@ -1,5 +1,5 @@
-"""The study's control variants (lazy_tools/replicate.py) do what their names say, and the pooled attention
-figures (lazy_tools.metrics.pooled_attention_statistics) agree with a direct count. Tiny random models: seconds."""
+"""The study's control variants (lazy_llama_tools/replicate.py) do what their names say, and the pooled attention
+figures (lazy_llama_tools.metrics.pooled_attention_statistics) agree with a direct count. Tiny random models: seconds."""
 
 import argparse
 import math
@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from lazy_tools import replicate
-from lazy_tools.metrics import attention_weights, pooled_attention_statistics
+from lazy_llama_tools import replicate
+from lazy_llama_tools.metrics import attention_weights, pooled_attention_statistics
 from modeling_lazy.lazy_attention_reference import (
     lazy_attention_metadata,
     lazy_attention_reference,

@@ -1,7 +1,7 @@
 """The Triton kernels, run on CPU under TRITON_INTERPRET=1, against an independent float64 reference.
 
 Triton decides interpreter or compiled mode when `triton` and the `@triton.jit` functions are imported, so
-TRITON_INTERPRET=1 and LAZY_ATTENTION_BACKEND=triton must be set before *any* import of triton. Inside a
+TRITON_INTERPRET=1 and LAZY_LLAMA_BACKEND=triton must be set before *any* import of triton. Inside a
 pytest session another test module may already have imported `modeling_lazy` (and with it triton, in
 compiled mode), and setting the variables here at import time would switch every other test module to
 the interpreter. So the checks run in one child process (this file run as a script, with the variables
@@ -32,7 +32,7 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-ENVIRONMENT = {"TRITON_INTERPRET": "1", "LAZY_ATTENTION_BACKEND": "triton"}
+ENVIRONMENT = {"TRITON_INTERPRET": "1", "LAZY_LLAMA_BACKEND": "triton"}
 CHILD_TIMEOUT_S = 1200
 TOLERANCE = {torch.float32: 2e-4, torch.float16: 1e-2, torch.bfloat16: 4e-2}
 

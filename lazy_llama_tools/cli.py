@@ -58,7 +58,7 @@ positive_int = at_least(1)
 
 def device_name(text: str) -> str:
     """`argparse` type: the spelling of a device (auto, cpu, cuda, cuda:1, ...). Whether this machine has it is
-    checked after parsing, once torch is imported (`lazy_tools.loading.resolve_device`)."""
+    checked after parsing, once torch is imported (`lazy_llama_tools.loading.resolve_device`)."""
     if not DEVICE_PATTERN.match(text):
         raise argparse.ArgumentTypeError(f"unknown device {text!r}: use auto, cpu, cuda or cuda:N")
     return text
@@ -310,14 +310,14 @@ def lazy_convert(argv=None) -> int:
 
 def lazy_inspect(argv=None) -> int:
     args = inspect_parser().parse_args(_args(argv))
-    from lazy_tools.inspect_attention import run
+    from lazy_llama_tools.inspect_attention import run
 
     return run(args)
 
 
 def lazy_evaluate(argv=None) -> int:
     args = evaluate_parser().parse_args(_args(argv))
-    from lazy_tools.evaluate import run
+    from lazy_llama_tools.evaluate import run
 
     return run(args)
 
@@ -331,6 +331,6 @@ def lazy_push(argv=None) -> int:
 
 def lazy_finetune(argv=None) -> int:
     args, training_argv = parse_finetune(argv)
-    from lazy_tools.finetune import run
+    from lazy_llama_tools.finetune import run
 
     return run(args, training_argv)

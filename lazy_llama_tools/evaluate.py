@@ -4,7 +4,7 @@
 
 Each window of `--context` tokens scores only the tokens the previous window did not (all of them for the
 first), so every token after the first is scored exactly once with up to `context - 1` tokens of history
-(`lazy_tools.metrics.perplexity`). With `--baseline` (a vanilla Llama or another LazyLlama with the same
+(`lazy_llama_tools.metrics.perplexity`). With `--baseline` (a vanilla Llama or another LazyLlama with the same
 tokenizer) the same tokens are scored by both. Benchmarks: see the README (lm-evaluation-harness `HFLM`).
 """
 
@@ -13,9 +13,9 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from lazy_tools.cli import evaluate_parser
-from lazy_tools.loading import check_same_vocabulary, load_causal_lm, load_tokenizer, read_token_ids
-from lazy_tools.metrics import perplexity
+from lazy_llama_tools.cli import evaluate_parser
+from lazy_llama_tools.loading import check_same_vocabulary, load_causal_lm, load_tokenizer, read_token_ids
+from lazy_llama_tools.metrics import perplexity
 
 
 def evaluate_perplexity(model, token_ids, context: int, stride: int | None, name: str, show_progress: bool = True):
@@ -30,7 +30,7 @@ def evaluate_perplexity(model, token_ids, context: int, stride: int | None, name
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m lazy_tools.evaluate`: the `lazy-evaluate` command (`lazy_tools.cli.lazy_evaluate` parses the same
+    """`python -m lazy_llama_tools.evaluate`: the `lazy-evaluate` command (`lazy_llama_tools.cli.lazy_evaluate` parses the same
     arguments before importing torch)."""
     return run(evaluate_parser().parse_args(argv))
 

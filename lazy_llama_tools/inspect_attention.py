@@ -2,7 +2,7 @@
 
     lazy-inspect MODEL [--text FILE] [--baseline MODEL | --baseline tau=0] [--out DIR]
 
-Measured per layer and head on natural text (defined in docs/design.md; `lazy_tools.metrics.attention_statistics`):
+Measured per layer and head on natural text (defined in docs/design.md; `lazy_llama_tools.metrics.attention_statistics`):
 sparsity, 64 x 64 tile density, first-token (sink) mass, surviving mass `sum_j a_ij`, and `tau`; the same on
 a sequence of one repeated token. Plots (each side by side with the baseline when one is given):
 
@@ -23,9 +23,9 @@ from pathlib import Path
 
 import torch
 
-from lazy_tools.cli import TAU_ZERO, inspect_parser
-from lazy_tools.loading import check_same_vocabulary, load_causal_lm, load_tokenizer, read_token_ids
-from lazy_tools.metrics import TILE, attention_statistics, attention_weights
+from lazy_llama_tools.cli import TAU_ZERO, inspect_parser
+from lazy_llama_tools.loading import check_same_vocabulary, load_causal_lm, load_tokenizer, read_token_ids
+from lazy_llama_tools.metrics import TILE, attention_statistics, attention_weights
 from modeling_lazy import lazy_attention_modules
 
 SCHEMA_VERSION = 1
@@ -355,7 +355,7 @@ def summary(report: dict, out_dir: str | Path) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m lazy_tools.inspect_attention`: the `lazy-inspect` command (`lazy_tools.cli.lazy_inspect` parses
+    """`python -m lazy_llama_tools.inspect_attention`: the `lazy-inspect` command (`lazy_llama_tools.cli.lazy_inspect` parses
     the same arguments before importing torch)."""
     return run(inspect_parser().parse_args(argv))
 
@@ -378,7 +378,7 @@ def run(args) -> int:
         if baseline is not None and not isinstance(baseline, str):
             check_same_vocabulary(tokenizer, model, baseline, args.baseline)
         if args.text is None:
-            from lazy_tools.data import brown_text_file
+            from lazy_llama_tools.data import brown_text_file
 
             args.text = str(brown_text_file("test"))
         needed = args.tokens * args.windows

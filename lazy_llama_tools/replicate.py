@@ -1,15 +1,15 @@
 """Replication study: train vanilla Llama, Lazy Attention, ablations and controls from scratch on
 Brown-train with one shared loop, then evaluate all four on Brown-test.
 
-    python -m lazy_tools.replicate --out runs/replicate            # the real run (see REPLICATION.md)
-    python -m lazy_tools.replicate --steps 8 --hidden-size 32 ...  # a smoke run (tests/test_replicate_smoke.py)
+    python -m lazy_llama_tools.replicate --out runs/replicate            # the real run (see REPLICATION.md)
+    python -m lazy_llama_tools.replicate --steps 8 --hidden-size 32 ...  # a smoke run (tests/test_replicate_smoke.py)
 
 Variants (identical Llama weights at step 0, same data order, steps, optimizer and learning rate): see
 `VARIANTS` below. The controls change the attention only through wrappers and hooks defined here
 (`modeling_lazy` is untouched); `tests/test_study_variants.py` checks that each does what its name says.
 
 A grid (`--grid NAME`, one of `GRIDS`; `--seeds`, `--jobs`) runs many configurations as separate processes, one
-folder each under `--out`, skipping those already finished; `lazy_tools.study_summary` then pools them into means
+folder each under `--out`, skipping those already finished; `lazy_llama_tools.study_summary` then pools them into means
 with 95% intervals and paired differences.
 
 Data choices (why):
@@ -20,8 +20,8 @@ Data choices (why):
   not separate packed documents while LazyLlama does; blocks that never straddle a document boundary make the
   two see exactly the same attention context.
 - Evaluation: from each Brown-test document its first `4 x context` bytes; perplexity (non-overlapping windows,
-  `lazy_tools.metrics.perplexity`) at windows of 1x, 2x and 4x the training length, pooled over documents, so
-  the three lengths score the same text. Attention statistics (`lazy_tools.metrics.attention_statistics`) on
+  `lazy_llama_tools.metrics.perplexity`) at windows of 1x, 2x and 4x the training length, pooled over documents, so
+  the three lengths score the same text. Attention statistics (`lazy_llama_tools.metrics.attention_statistics`) on
   the first training-length block of test documents.
 
 Writes under `--out`: `results.json` (config, losses, evaluation, per-layer statistics), `table.md`, `plots/`
@@ -42,8 +42,8 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.modeling_utils import AttentionInterface
 
-from lazy_tools.data import brown_documents, pack_token_blocks
-from lazy_tools.metrics import (
+from lazy_llama_tools.data import brown_documents, pack_token_blocks
+from lazy_llama_tools.metrics import (
     attention_statistics,
     attention_weights,
     perplexity,
@@ -399,7 +399,7 @@ def code_version() -> dict:
         except (OSError, subprocess.SubprocessError):
             return ""
 
-    dirty = git("status", "--porcelain", "--", "lazy_tools", "modeling_lazy", "configuration_lazy")
+    dirty = git("status", "--porcelain", "--", "lazy_llama_tools", "modeling_lazy", "configuration_lazy")
     return {"commit": git("rev-parse", "HEAD") or "unknown", "dirty": bool(dirty),
             "dirty_files": [line[3:] for line in dirty.splitlines()]}
 
@@ -466,7 +466,7 @@ def per_layer_table(results: dict) -> str:
 
 def make_plots(results: dict, models: dict, test_documents: list[str], args, out: Path):
     """Small PNGs: loss curves, distance-bias curves, tau per head, attention maps, per-layer sink/sparsity.
-    (Made here with matplotlib; `lazy_tools.inspect_attention` was not available when this was written.)"""
+    (Made here with matplotlib; `lazy_llama_tools.inspect_attention` was not available when this was written.)"""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -639,7 +639,7 @@ def run_grid(args, argv: list[str]) -> list[str]:
     args.out.mkdir(parents=True, exist_ok=True)
     workers = []
     for worker in range(args.jobs):
-        command = ["nice", "-n", str(args.nice), sys.executable, "-m", "lazy_tools.replicate", *passed,
+        command = ["nice", "-n", str(args.nice), sys.executable, "-m", "lazy_llama_tools.replicate", *passed,
                    "--grid", args.grid, "--seeds", *map(str, args.seeds), "--jobs", str(args.jobs),
                    "--out", str(args.out), "--worker", str(worker), "--order", args.order]
         handle = open(args.out / f"worker-{worker}.txt", "a", encoding="utf-8")  # noqa: SIM115 (closed below)
@@ -673,7 +673,7 @@ def main(argv=None) -> dict:
     results = {"config": config, "train_blocks": blocks.shape[0],
                "train_tokens_per_variant": args.steps * args.batch_size * args.context,
                "torch": torch.__version__, "code": LOADED_CODE,
-               "code_at_start": code_version(), "command": "python -m lazy_tools.replicate "
+               "code_at_start": code_version(), "command": "python -m lazy_llama_tools.replicate "
                + " ".join(argv), "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "runs": {}}
     log(f"code {LOADED_CODE['commit']}" + (f" + uncommitted {LOADED_CODE['dirty_files']}" if LOADED_CODE["dirty"]
                                               else ""))

@@ -17,7 +17,7 @@ Python recipe (what `main` does):
 
 Data: text files hold one document per blank-line-separated paragraph block (what `brown_text_file` writes);
 JSON-lines files hold one document per record (`--text_column`). Documents are tokenised, ended with EOS and
-packed by `lazy_tools.data.pack_token_blocks` into blocks whose `position_ids` restart at 0 at every document
+packed by `lazy_llama_tools.data.pack_token_blocks` into blocks whose `position_ids` restart at 0 at every document
 start; the model reads document boundaries from those restarts, so packed documents never see each other
 (docs/design.md). Labels are the input ids, except that the first token of every document segment (position 0)
 is ignored (-100): it has no history inside its document, and predicting it from the previous document would
@@ -39,12 +39,13 @@ import torch
 from transformers import Trainer, TrainerCallback, TrainingArguments
 from transformers.trainer import TRAINER_STATE_NAME
 
-from lazy_tools.cli import DEFAULT_LORA_TARGETS
-from lazy_tools.cli import FINETUNE_MODES as MODES
-from lazy_tools.data import pack_token_blocks
-from lazy_tools.folders import deferred_signals, terminations_as_interrupts
-from lazy_tools.loading import ModelNotFound, check_text_file, missing_model_explained, without_gguf_quantization
-from lazy_tools.metrics import attention_statistics
+from conversion.convert_llama_to_lazy import EXACT_TAU_INIT
+from lazy_llama_tools.cli import DEFAULT_LORA_TARGETS
+from lazy_llama_tools.cli import FINETUNE_MODES as MODES
+from lazy_llama_tools.data import pack_token_blocks
+from lazy_llama_tools.folders import deferred_signals, terminations_as_interrupts
+from lazy_llama_tools.loading import ModelNotFound, check_text_file, missing_model_explained, without_gguf_quantization
+from lazy_llama_tools.metrics import attention_statistics
 from modeling_lazy import is_lazy_parameter
 from modeling_lazy.modeling_lazy import LAZY_PARAMETER_NAMES
 
@@ -56,7 +57,7 @@ class FinetuneError(ValueError):
 # --------------------------------------------------------------------------------------------- model
 
 
-def load_model(path: str, tau_init: float = 0.0, bias_init_std: float = 0.0, dtype=torch.float32,
+def load_model(path: str, tau_init: float = EXACT_TAU_INIT, bias_init_std: float = 0.0, dtype=torch.float32,
                distributed_config=None):
     """Load a LazyLlama or a plain Llama folder as `LazyLlamaForCausalLM`, plus its tokenizer.
 
@@ -174,7 +175,7 @@ def load_documents(files: list[str], text_column: str = "text"):
     """A `datasets.Dataset` with one document per row in column `text`.
 
     `.json`/`.jsonl` files: one document per record, read from `text_column`. Any other file is text: documents
-    are separated by blank lines (`sample_by="paragraph"`), as in `lazy_tools.data.brown_text_file`.
+    are separated by blank lines (`sample_by="paragraph"`), as in `lazy_llama_tools.data.brown_text_file`.
     """
     from datasets import concatenate_datasets, load_dataset
 
@@ -394,11 +395,11 @@ def build_trainer(model, training_args: TrainingArguments, train_dataset, eval_d
 
 
 def parse_args(argv=None):
-    """`(args, training_args)` of a `lazy-finetune` command line: its own options (`lazy_tools.cli.parse_finetune`)
+    """`(args, training_args)` of a `lazy-finetune` command line: its own options (`lazy_llama_tools.cli.parse_finetune`)
     and `transformers.TrainingArguments` from the rest. With `--auto-bf16` (the default) a CUDA GPU with bf16 support
     trains in bf16 mixed precision unless `--bf16`/`--fp16` is given."""
 
-    from lazy_tools.cli import parse_finetune
+    from lazy_llama_tools.cli import parse_finetune
 
     args, training_argv = parse_finetune(argv)
     return args, training_arguments(args, training_argv)
@@ -523,9 +524,9 @@ def finetune(args, training_args: TrainingArguments) -> LazyTrainer:
 
 
 def main(argv=None) -> None:
-    """`python -m lazy_tools.finetune`: the `lazy-finetune` command (`lazy_tools.cli.lazy_finetune` parses its own
+    """`python -m lazy_llama_tools.finetune`: the `lazy-finetune` command (`lazy_llama_tools.cli.lazy_finetune` parses its own
     options before importing torch). See the module docstring; `--help` lists every option."""
-    from lazy_tools.cli import parse_finetune
+    from lazy_llama_tools.cli import parse_finetune
 
     run(*parse_finetune(argv))
 

@@ -1,7 +1,7 @@
 """Lazification with controls: SmolLM2-135M converted at tau = 0 (exactly the Llama), then the same small
 fine-tuning budget spent on different parameter sets, and a no-training tau sweep as the baseline.
 
-    python -m lazy_tools.lazify_controls --out docs/replication/lazify --steps 24
+    python -m lazy_llama_tools.lazify_controls --out docs/replication/lazify --steps 24
 
 Arms (each starts from the same converted model, sees the same Brown-train blocks in the same order, same steps):
 
@@ -17,7 +17,7 @@ Arms (each starts from the same converted model, sees the same Brown-train block
 Baseline without training: the converted model with one uniform tau for every head (`--tau-sweep`).
 
 Evaluation (every arm and every tau): all 50 Brown-test documents, the first `--eval-tokens` tokens of each,
-scored with `lazy_tools.metrics.perplexity` (context 512, so each document is one window; every token after
+scored with `lazy_llama_tools.metrics.perplexity` (context 512, so each document is one window; every token after
 the first is scored); perplexity pooled over documents. Attention statistics (`attention_statistics` and the
 pooled figures) on the first `--stats-tokens` tokens of the first `--stats-docs` documents.
 Writes `results.json` (after every evaluation) and `log.txt` under `--out`; at the end (or alone, with
@@ -34,14 +34,14 @@ from pathlib import Path
 
 import torch
 
-from lazy_tools.data import brown_documents, pack_token_blocks, smollm2_llama_dir
-from lazy_tools.finetune import load_model
-from lazy_tools.metrics import (
+from lazy_llama_tools.data import brown_documents, pack_token_blocks, smollm2_llama_dir
+from lazy_llama_tools.finetune import load_model
+from lazy_llama_tools.metrics import (
     attention_statistics,
     perplexity,
     pooled_attention_statistics,
 )
-from lazy_tools.replicate import code_version
+from lazy_llama_tools.replicate import code_version
 from modeling_lazy import lazy_attention_modules
 
 ARMS = ("lazy_only", "vanilla_norms", "bias_only", "tau_only", "lazy_norms")
@@ -272,7 +272,7 @@ def main(argv=None) -> dict:
     for entry in [*results.get("tau_sweep", {}).values(), *results.get("arms", {}).values()]:
         entry.setdefault("code", results["code"])  # entries written before the code was kept per entry
     results.update({"config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-                    "code": code_version(), "command": "python -m lazy_tools.lazify_controls " + " ".join(argv),
+                    "code": code_version(), "command": "python -m lazy_llama_tools.lazify_controls " + " ".join(argv),
                     "torch": torch.__version__})
     # a resumed or extended run (e.g. `--arms lazy_norms` added later) keeps every command that wrote into `--out`
     results["commands"] = [c for c in previous if c != results["command"]] + [results["command"]]

@@ -1,6 +1,6 @@
 """The dtype `make serve` hands vLLM on this machine.
 
-    python -m serving.serve_dtype        # prints float32 or bfloat16
+    python -m lazy_llama_vllm.serve_dtype        # prints float32 or bfloat16
 
 vLLM's CPU build serves bfloat16 by default. Without native bfloat16 arithmetic in the CPU (x86:
 `avx512_bf16` or `amx_bf16`; Arm: `bf16`) every bfloat16 matmul is emulated, and prefill runs about an

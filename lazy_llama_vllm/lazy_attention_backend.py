@@ -30,7 +30,7 @@ runs a dozen such ops where vLLM's own CPU attention runs one kernel.
 
 On CUDA, steps 3 and 4 are replaced by one Triton op per layer, `lazy_attention_paged` (`lazy_llama::triton_paged`),
 which reads K and V through the block table (the varlen causal kernel for prompts and chunks, the packed decode for
-the decode requests, which the builder asks vLLM to put first). As in the model, `LAZY_ATTENTION_BACKEND` (auto |
+the decode requests, which the builder asks vLLM to put first). As in the model, `LAZY_LLAMA_BACKEND` (auto |
 triton | torch) chooses; `triton` with `TRITON_INTERPRET=1` runs the kernels on CPU tensors (the tests do).
 
 The cached K/V are post-RoPE keys and values, which do not depend on `tau` or the distance bias, so
@@ -120,7 +120,7 @@ class LazyServingMetadata(AttentionMetadata):
 
 
 def use_triton(device: torch.device) -> bool:
-    """The model's own choice (the op layer's `uses_triton`, from `LAZY_ATTENTION_BACKEND` and the device; every
+    """The model's own choice (the op layer's `uses_triton`, from `LAZY_LLAMA_BACKEND` and the device; every
     cache dtype the backend supports runs on both paths): the paged Triton path on CUDA, PyTorch elsewhere."""
     return uses_triton(device)
 

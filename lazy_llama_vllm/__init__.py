@@ -17,7 +17,7 @@ def register() -> None:
 
     AutoConfig.register(LazyLlamaConfig.model_type, LazyLlamaConfig, exist_ok=True)
     if ARCHITECTURE not in ModelRegistry.get_supported_archs():
-        ModelRegistry.register_model(ARCHITECTURE, "serving.lazy_llama:LazyLlamaForCausalLM")
+        ModelRegistry.register_model(ARCHITECTURE, "lazy_llama_vllm.lazy_llama:LazyLlamaForCausalLM")
 
 
 __all__ = ["ARCHITECTURE", "register"]
