@@ -32,7 +32,7 @@ from transformers.cache_utils import DynamicCache, DynamicLayer
 
 import modeling_lazy  # noqa: F401
 from modeling_lazy import LazyLlamaConfig, LazyLlamaForCausalLM, is_lazy_parameter
-from modeling_lazy.lazy_attention_reference import lazy_attention_metadata
+from modeling_lazy.lazy_attention_reference import LazyMetadata
 from modeling_lazy.lazy_attention_torch import lazy_attention_torch
 
 SIZES = {
@@ -97,7 +97,7 @@ def bench_attention(size):
             q, k, v = (torch.randn(1, heads, length, dim) for _ in range(3))
             tau = torch.full((heads,), tau_value)
             bias = torch.randn(heads, 1024) * 1e-3
-            meta = lazy_attention_metadata(None, None, 0, length, 1, q.device)
+            meta = LazyMetadata.from_mask(query_length=length, batch_size=1, device=q.device)
 
             def lazy_fwd():
                 with torch.no_grad():
@@ -124,12 +124,12 @@ def bench_attention(size):
 
 MEMORY_SCRIPT = textwrap.dedent("""
     import json, sys, torch, torch.nn.functional as F
-    from modeling_lazy.lazy_attention_reference import lazy_attention_metadata
+    from modeling_lazy.lazy_attention_reference import LazyMetadata
     from modeling_lazy.lazy_attention_torch import lazy_attention_torch
     kind, length, heads, dim = sys.argv[1], int(sys.argv[2]), 4, 64
     q, k, v = (torch.randn(1, heads, length, dim, requires_grad=True) for _ in range(3))
     tau, bias = torch.full((heads,), -1.0, requires_grad=True), torch.zeros(heads, 1024, requires_grad=True)
-    meta = lazy_attention_metadata(None, None, 0, length, 1, q.device)
+    meta = LazyMetadata.from_mask(query_length=length)
     run = {"lazy": lambda: lazy_attention_torch(q, k, v, tau, bias, meta, dim ** -0.5),
            "sdpa": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True)}[kind]
     def status(key):  # KiB, from /proc/self/status

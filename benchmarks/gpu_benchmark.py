@@ -37,7 +37,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import modeling_lazy.lazy_attention_triton as lazy_triton  # noqa: E402
-from modeling_lazy.lazy_attention_reference import lazy_attention_metadata, lazy_attention_reference  # noqa: E402
+from modeling_lazy.lazy_attention_reference import LazyMetadata, lazy_attention_reference  # noqa: E402
 
 REPEATS = 20
 WARMUP = 3
@@ -63,7 +63,8 @@ def make_inputs(bsz, heads, kv_heads, q_len, k_len, dim, tau, window, device, dt
     else:
         bias = 1e-3 * torch.randn(heads, window, generator=gen)
     bias = bias.to(device).requires_grad_(grad)
-    return (q, k, v, tau_t, bias), lazy_attention_metadata(None, None, k_len - q_len, q_len, bsz, device)
+    metadata = LazyMetadata.from_mask(query_length=q_len, batch_size=bsz, past_length=k_len - q_len, device=device)
+    return (q, k, v, tau_t, bias), metadata
 
 
 def _sync(device):

@@ -98,7 +98,8 @@ def main(argv: list[str] | None = None) -> int:
             settings = json.loads((output / SETTINGS_FILE).read_text())
             settings.pop("source")
             card_stats = {k: stats[k] for k in ("sparsity", "tile_density", "sink", "surviving_mass")}
-            write_model_card(output, base_model=SMOLLM2_BASE_MODEL, license=SMOLLM2_LICENSE, repo_id=output.name, conversion=settings,
+            write_model_card(output, base_model=SMOLLM2_BASE_MODEL, license=SMOLLM2_LICENSE, repo_id=output.name,
+                             conversion=settings,
                              stats={**card_stats, "brown_test_perplexity": ppl["perplexity"]})
 
     print(f"\nSmolLM2-135M-Instruct as LazyLlama: attention on {stats_ids.shape[1]} Brown-test tokens, "

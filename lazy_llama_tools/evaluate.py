@@ -30,7 +30,8 @@ def evaluate_perplexity(model, token_ids, context: int, stride: int | None, name
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m lazy_llama_tools.evaluate`: the `lazy-evaluate` command (`lazy_llama_tools.cli.lazy_evaluate` parses the same
+    """`python -m lazy_llama_tools.evaluate`: the `lazy-evaluate` command (`lazy_llama_tools.cli.lazy_evaluate` parses
+    the same
     arguments before importing torch)."""
     return run(evaluate_parser().parse_args(argv))
 

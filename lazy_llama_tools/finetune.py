@@ -395,7 +395,8 @@ def build_trainer(model, training_args: TrainingArguments, train_dataset, eval_d
 
 
 def parse_args(argv=None):
-    """`(args, training_args)` of a `lazy-finetune` command line: its own options (`lazy_llama_tools.cli.parse_finetune`)
+    """`(args, training_args)` of a `lazy-finetune` command line: its own options
+    (`lazy_llama_tools.cli.parse_finetune`)
     and `transformers.TrainingArguments` from the rest. With `--auto-bf16` (the default) a CUDA GPU with bf16 support
     trains in bf16 mixed precision unless `--bf16`/`--fp16` is given."""
 
@@ -524,7 +525,8 @@ def finetune(args, training_args: TrainingArguments) -> LazyTrainer:
 
 
 def main(argv=None) -> None:
-    """`python -m lazy_llama_tools.finetune`: the `lazy-finetune` command (`lazy_llama_tools.cli.lazy_finetune` parses its own
+    """`python -m lazy_llama_tools.finetune`: the `lazy-finetune` command (`lazy_llama_tools.cli.lazy_finetune` parses
+    its own
     options before importing torch). See the module docstring; `--help` lists every option."""
     from lazy_llama_tools.cli import parse_finetune
 

@@ -2,7 +2,8 @@
 
     lazy-inspect MODEL [--text FILE] [--baseline MODEL | --baseline tau=0] [--out DIR]
 
-Measured per layer and head on natural text (defined in docs/design.md; `lazy_llama_tools.metrics.attention_statistics`):
+Measured per layer and head on natural text (defined in docs/design.md;
+`lazy_llama_tools.metrics.attention_statistics`):
 sparsity, 64 x 64 tile density, first-token (sink) mass, surviving mass `sum_j a_ij`, and `tau`; the same on
 a sequence of one repeated token. Plots (each side by side with the baseline when one is given):
 
@@ -355,7 +356,8 @@ def summary(report: dict, out_dir: str | Path) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m lazy_llama_tools.inspect_attention`: the `lazy-inspect` command (`lazy_llama_tools.cli.lazy_inspect` parses
+    """`python -m lazy_llama_tools.inspect_attention`: the `lazy-inspect` command (`lazy_llama_tools.cli.lazy_inspect`
+    parses
     the same arguments before importing torch)."""
     return run(inspect_parser().parse_args(argv))
 

@@ -15,7 +15,7 @@ from contextlib import contextmanager
 import torch
 
 from modeling_lazy import lazy_attention_modules
-from modeling_lazy.lazy_attention_reference import lazy_attention_metadata, lazy_visibility
+from modeling_lazy.lazy_attention_reference import LazyMetadata, lazy_visibility
 
 TILE = 64
 
@@ -37,9 +37,8 @@ def attention_weights(model, input_ids: torch.Tensor, attention_mask: torch.Tens
     mask `[B, 1, T, T]` bool of the same call."""
     with eager_attention(model):
         out = model(input_ids=input_ids, attention_mask=attention_mask, output_attentions=True, use_cache=False)
-    metadata = lazy_attention_metadata(
-        attention_mask, None, 0, input_ids.shape[1], input_ids.shape[0], input_ids.device
-    )
+    metadata = LazyMetadata.from_mask(attention_mask, query_length=input_ids.shape[1], batch_size=input_ids.shape[0],
+                                      device=input_ids.device)
     return [w.float() for w in out.attentions], lazy_visibility(metadata), metadata.q_pos, metadata.k_pos
 
 

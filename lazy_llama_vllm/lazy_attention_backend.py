@@ -125,17 +125,6 @@ def use_triton(device: torch.device) -> bool:
     return uses_triton(device)
 
 
-def _lazy_metadata(q_pos: torch.Tensor, key_lengths: torch.Tensor, key_length: int, causal: bool) -> LazyMetadata:
-    """Metadata of B requests whose queries sit at `q_pos [B, Tq]` and whose keys are `0 .. key_lengths - 1`
-    (padded to `key_length`; padding keys get segment -1 so that nothing sees them)."""
-    batch, query_length = q_pos.shape
-    k_pos = torch.arange(key_length, dtype=torch.long).expand(batch, key_length).contiguous()
-    k_seg = torch.where(k_pos < key_lengths[:, None], 0, -1).to(torch.int32)
-    q_seg = torch.zeros(batch, query_length, dtype=torch.int32)
-    return LazyMetadata(q_pos, k_pos, q_seg, k_seg, key_length - query_length, causal,
-                        q_pos.to(torch.int32), k_pos.to(torch.int32))
-
-
 class LazyAttentionMetadataBuilder(AttentionMetadataBuilder[LazyServingMetadata]):
     """Turns vLLM's per-step batch description into `LazyGroup`s (positions, cache pages), or, for the Triton
     path, into a `LazyPagedStep`."""
@@ -160,9 +149,8 @@ class LazyAttentionMetadataBuilder(AttentionMetadataBuilder[LazyServingMetadata]
         token_page = torch.gather(table, 1, token // self.block_size)[:, None, :] * self.num_kv_heads
         key_rows = (token_page + heads[None, :, None]) * (2 * self.block_size) + (token % self.block_size)[:, None]
         kv_rows = torch.cat([key_rows.view(-1), key_rows.view(-1) + self.block_size])  # a value: block_size rows on
-        q_pos = (lengths - query_length)[:, None] + torch.arange(query_length)  # cached tokens c, then c + i
-        causal = bool((lengths == key_length).all())
-        metadata = _lazy_metadata(q_pos, lengths, key_length, causal)
+        # query i of a request with c cached tokens has position c + i; key j position j; padding keys are hidden
+        metadata = LazyMetadata.from_seq_lens(lengths, query_length=query_length, key_length=key_length)
         first = [starts[r] for r in requests]
         if first == list(range(first[0], first[0] + query_length * len(requests), query_length)):
             # consecutive requests (all decodes, which vLLM puts first for this backend): a view, no gather

@@ -147,7 +147,9 @@ def _concrete_metadata(q_pos, k_pos, q_seg, k_seg, key_offset, causal, training)
         offset = int(key_offset)
         k_pos, k_seg = k_pos[:, : offset + q_len], k_seg[:, : offset + q_len]
         causal = not training and _is_causal_layout(q_pos, k_pos, q_seg, k_seg, offset)
-    return LazyMetadata(q_pos, k_pos, q_seg, k_seg, offset, causal, q_pos, k_pos)
+    # the PyTorch kernels never read the int32 position copies: the int64 tensors stand in for them (no copy)
+    return LazyMetadata.from_tensors(q_pos, k_pos, q_seg, k_seg, key_offset=offset, causal=causal,
+                                     positions32=(q_pos, k_pos))
 
 
 def _torch_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, tau: torch.Tensor,

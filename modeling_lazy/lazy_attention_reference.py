@@ -80,6 +80,82 @@ class LazyMetadata(NamedTuple):
         """True when the keys are a static cache's whole buffer and `key_offset` is a tensor (torch.compile)."""
         return isinstance(self.key_offset, torch.Tensor)
 
+    # Keyword constructors: the model, the vLLM backend, the tools and the tests build metadata only through these.
+
+    @classmethod
+    def from_mask(cls, attention_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None, *,
+                  query_length: int, batch_size: int | None = None, past_length: int | torch.Tensor = 0,
+                  key_length: int | None = None, device: torch.device | None = None,
+                  cu_seq_lens: torch.Tensor | None = None) -> "LazyMetadata":
+        """What a transformers forward has: a 2-D padding mask `[B, past + Tq]` and/or `position_ids` (restarting
+        positions mark packed documents), after `past_length` cached keys (`lazy_attention_metadata` documents
+        each argument). `batch_size` and `device` default to the mask's or the positions'."""
+        like = attention_mask if attention_mask is not None else position_ids
+        if batch_size is None:
+            batch_size = like.shape[0] if like is not None else 1
+        if device is None:
+            device = like.device if like is not None else torch.device("cpu")
+        return lazy_attention_metadata(attention_mask, position_ids, past_length, query_length, batch_size, device,
+                                       cu_seq_lens, key_length=key_length)
+
+    @classmethod
+    def from_cu_seq_lens(cls, cu_seq_lens: torch.Tensor, *, position_ids: torch.Tensor | None = None,
+                         device: torch.device | None = None) -> "LazyMetadata":
+        """One row of packed documents (`cu_seq_lens` `[docs + 1]`, cumulative lengths from 0, as flash-attention's
+        varlen kernels and TRL's padding-free collator give them); positions restart at 0 in each document unless
+        `position_ids` `[1, total]` are given."""
+        cu_seq_lens = cu_seq_lens.reshape(-1).long()
+        total = int(cu_seq_lens[-1])
+        device = cu_seq_lens.device if device is None else device
+        if position_ids is None:
+            starts = torch.repeat_interleave(cu_seq_lens[:-1], cu_seq_lens.diff())
+            position_ids = (torch.arange(total, device=starts.device) - starts)[None]
+        return lazy_attention_metadata(None, position_ids, 0, total, 1, device, cu_seq_lens)
+
+    @classmethod
+    def from_seq_lens(cls, seq_lens: torch.Tensor, *, query_length: int = 1, key_length: int | None = None,
+                      position_offsets: torch.Tensor | None = None) -> "LazyMetadata":
+        """B requests as a serving engine holds them: request b has `seq_lens[b]` tokens in its cache, its queries are
+        the last `query_length` of them, its keys indices `0 .. seq_lens[b] - 1` of a right-padded `[B, key_length]`
+        (default: the longest); padding keys are seen by nothing. Positions are key indices, plus
+        `position_offsets[b]` when given. Several query rows need requests of one length (each row's i-th query
+        sits at the same key index)."""
+        seq_lens = seq_lens.reshape(-1).long()
+        batch, device = seq_lens.numel(), seq_lens.device
+        longest = int(seq_lens.max())
+        key_length = longest if key_length is None else key_length
+        if key_length < longest or int(seq_lens.min()) < query_length:
+            raise ValueError(f"LazyMetadata.from_seq_lens: every request needs >= query_length ({query_length}) tokens "
+                             f"and <= key_length ({key_length}); got seq_lens {seq_lens.tolist()}.")
+        if query_length > 1 and int(seq_lens.min()) != longest:
+            raise ValueError("LazyMetadata.from_seq_lens: several query rows need requests of one length; group the "
+                             f"requests by length (got seq_lens {seq_lens.tolist()}).")
+        index = torch.arange(key_length, device=device).expand(batch, key_length)
+        k_pos = index if position_offsets is None else index + position_offsets.reshape(-1, 1).long().to(device)
+        k_seg = torch.where(index < seq_lens[:, None], 0, -1).to(torch.int32)
+        q_pos = (seq_lens - query_length)[:, None] + torch.arange(query_length, device=device)
+        if position_offsets is not None:
+            q_pos = q_pos + position_offsets.reshape(-1, 1).long().to(device)
+        q_seg = torch.zeros(batch, query_length, dtype=torch.int32, device=device)
+        causal = longest == key_length and int(seq_lens.min()) == key_length and (
+            position_offsets is None or not bool(position_offsets.any()))
+        return cls.from_tensors(q_pos, k_pos, q_seg, k_seg, key_offset=key_length - query_length, causal=causal)
+
+    @classmethod
+    def from_tensors(cls, q_pos: torch.Tensor, k_pos: torch.Tensor, q_seg: torch.Tensor, k_seg: torch.Tensor, *,
+                     key_offset: int | torch.Tensor | None = None, causal: bool = False,
+                     positions32: tuple[torch.Tensor, torch.Tensor] | None = None) -> "LazyMetadata":
+        """From the per-token tensors themselves (field meanings in the class docstring); `key_offset` defaults to
+        `Tk - Tq`. `causal=True` is the caller's promise of the plain causal layout (it unlocks the fast paths).
+        `positions32`: the int32 copies when the caller has them (made here otherwise)."""
+        if key_offset is None:
+            key_offset = k_pos.shape[1] - q_pos.shape[1]
+        q_pos, k_pos = q_pos.long().contiguous(), k_pos.long().contiguous()
+        if positions32 is None:
+            positions32 = (q_pos.to(torch.int32), k_pos.to(torch.int32))
+        return cls(q_pos, k_pos, q_seg.to(torch.int32).contiguous(), k_seg.to(torch.int32).contiguous(), key_offset,
+                   causal, *positions32)
+
 
 def _is_causal_layout(q_pos, k_pos, q_seg, k_seg, key_offset: int) -> bool:
     """True when query i sees exactly keys `j <= i + key_offset` and `pos_i - pos_j = i + key_offset - j`."""
@@ -188,8 +264,7 @@ def lazy_attention_metadata(
         causal = bool((q_pos == torch.arange(past_length, key_length, device=device)).all())
     else:
         causal = _is_causal_layout(q_pos, k_pos, q_seg, k_seg, past_length)
-    return LazyMetadata(q_pos, k_pos, q_seg, k_seg, past_length, causal,
-                        q_pos.to(torch.int32), k_pos.to(torch.int32))
+    return LazyMetadata.from_tensors(q_pos, k_pos, q_seg, k_seg, key_offset=past_length, causal=causal)
 
 
 def lazy_visibility(metadata: LazyMetadata) -> torch.Tensor:

@@ -15,7 +15,12 @@ import torch.nn.functional as F
 
 from .lazy_attention_cpu import available as cpu_ops_available
 from .lazy_attention_cpu import lazy_decode_cpu, lazy_elastic_rows
-from .lazy_attention_reference import DECODE_MAX_ROWS, LazyMetadata, compute_dtype, distance_bias_scores, lazy_visibility
+from .lazy_attention_reference import (
+    LazyMetadata,
+    compute_dtype,
+    distance_bias_scores,
+    lazy_visibility,
+)
 
 # ---------------------------------------------------------------------------------------------------
 # Memory-efficient path: query chunks against the (causally needed) keys. A chunk's rows see all their

@@ -54,7 +54,7 @@ try:  # flat copy next to a checkpoint (trust_remote_code)
 except ImportError:  # installed project: the config lives in its own package
     from configuration_lazy import LazyLlamaConfig
 from .lazy_attention_ops import lazy_attention
-from .lazy_attention_reference import LazyMetadata, lazy_attention_metadata, lazy_attention_reference
+from .lazy_attention_reference import LazyMetadata, lazy_attention_reference
 
 logger = logging.get_logger(__name__)
 
@@ -458,9 +458,9 @@ class LazyLlamaModel(LazyLlamaPreTrainedModel):
             raise ValueError("The input has no tokens (input_ids of shape [batch, 0]): give at least one per row.")
         past, key_length = _cache_lengths(cache, q_len)
         attention_mask = _fit_padding_mask(attention_mask, key_length, past, q_len, cache)
-        lazy_metadata = lazy_attention_metadata(
-            attention_mask, position_ids, past, q_len, bsz, inputs_embeds.device, kwargs.get("cu_seq_lens_q"),
-            key_length=key_length,
+        lazy_metadata = LazyMetadata.from_mask(
+            attention_mask, position_ids, query_length=q_len, batch_size=bsz, past_length=past, key_length=key_length,
+            device=inputs_embeds.device, cu_seq_lens=kwargs.get("cu_seq_lens_q"),
         )
         # the same rule as `capture_outputs`: the weights it records are the ones the layers return
         output_attentions = bool(kwargs.get("output_attentions", self.config.output_attentions))

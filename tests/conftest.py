@@ -39,12 +39,12 @@ def tiny_model(seed=None, attn_implementation=None, **overrides) -> LazyLlamaFor
     return model.eval()
 
 
-SEED_ENV = "LAZY_TEST_SEED"
+SEED_ENV = "LAZY_LLAMA_TEST_SEED"
 
 
 @pytest.fixture
 def rng_seed(request):
-    """Seeds torch for one test: a fresh seed each run, or `$LAZY_TEST_SEED` to replay a failure.
+    """Seeds torch for one test: a fresh seed each run, or `$LAZY_LLAMA_TEST_SEED` to replay a failure.
 
     The seed is reported with every failing test that uses this fixture (see `pytest_runtest_makereport`).
     """

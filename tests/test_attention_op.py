@@ -57,7 +57,8 @@ def test_chunked_op_matches_reference(layout, tau_kind, padded, rng_seed, monkey
     mask = torch.ones(spec["bsz"], k_len, dtype=torch.long)
     if padded:
         mask[0, : k_len // 3] = 0  # general layout: padding keys and queries
-    meta = ref.lazy_attention_metadata(mask, None, spec["past"], spec["q_len"], spec["bsz"], torch.device("cpu"))
+    meta = ref.LazyMetadata.from_mask(mask, query_length=spec["q_len"], batch_size=spec["bsz"],
+                                      past_length=spec["past"])
     for _ in range(50):  # the ReLU gradient jumps at p = -tau/n: keep float32 rounding away from it
         q, k, v, tau, bias = _inputs(spec["bsz"], heads, spec["kv_heads"], spec["q_len"], spec["past"], 8,
                                      spec["window"], tau_value)
@@ -78,15 +79,15 @@ def test_chunked_op_matches_reference(layout, tau_kind, padded, rng_seed, monkey
 
 def test_causal_layout_detection():
     cpu = torch.device("cpu")
-    assert ref.lazy_attention_metadata(None, None, 3, 5, 2, cpu).causal
-    assert ref.lazy_attention_metadata(None, torch.arange(7, 12)[None], 0, 5, 1, cpu).causal
-    assert ref.lazy_attention_metadata(torch.ones(2, 8, dtype=torch.long), None, 3, 5, 2, cpu).causal  # all ones
+    assert ref.LazyMetadata.from_mask(query_length=5, batch_size=2, past_length=3, device=cpu).causal
+    assert ref.LazyMetadata.from_mask(None, torch.arange(7, 12)[None], query_length=5, batch_size=1, device=cpu).causal
+    assert ref.LazyMetadata.from_mask(torch.ones(2, 8, dtype=torch.long), query_length=5, past_length=3).causal  # all 1
     mask = torch.ones(2, 8, dtype=torch.long)
     mask[1, 0] = 0
-    assert not ref.lazy_attention_metadata(mask, None, 0, 8, 2, cpu).causal
+    assert not ref.LazyMetadata.from_mask(mask, query_length=8, batch_size=2, device=cpu).causal
     packed = torch.cat([torch.arange(3), torch.arange(5)])[None]
-    assert not ref.lazy_attention_metadata(None, packed, 0, 8, 1, cpu).causal
-    meta = ref.lazy_attention_metadata(mask, None, 3, 5, 2, cpu)
+    assert not ref.LazyMetadata.from_mask(None, packed, query_length=8, batch_size=1, device=cpu).causal
+    meta = ref.LazyMetadata.from_mask(mask, query_length=5, batch_size=2, past_length=3, device=cpu)
     assert meta.key_offset == 3 and meta.key_length == 8
     assert meta.q_pos32.dtype == torch.int32 and torch.equal(meta.k_pos32.long(), meta.k_pos)
 
@@ -94,10 +95,10 @@ def test_causal_layout_detection():
 def _all_layout_metadata(kind: str, q_len: int, past: int, bsz: int):
     cpu = torch.device("cpu")
     if kind == "causal":
-        return ref.lazy_attention_metadata(None, None, past, q_len, bsz, cpu)
+        return ref.LazyMetadata.from_mask(query_length=q_len, batch_size=bsz, past_length=past, device=cpu)
     mask = torch.ones(bsz, past + q_len, dtype=torch.long)
     mask[0, :2] = 0
-    return ref.lazy_attention_metadata(mask, None, past, q_len, bsz, cpu)
+    return ref.LazyMetadata.from_mask(mask, query_length=q_len, batch_size=bsz, past_length=past, device=cpu)
 
 
 @pytest.mark.parametrize("layout", ["causal", "padded"])
@@ -131,7 +132,7 @@ def test_rows_whose_scores_are_all_minus_inf_give_zero(layout, tau_value, rng_se
 def test_longer_key_buffer_than_the_call_attends(rng_seed):
     """A static cache hands every layer its whole preallocated buffer: only `metadata.key_length` keys count."""
     heads, q_len, past, bsz, dim = 2, 3, 5, 1, 8
-    meta = ref.lazy_attention_metadata(None, None, past, q_len, bsz, torch.device("cpu"))
+    meta = ref.LazyMetadata.from_mask(query_length=q_len, batch_size=bsz, past_length=past, device=torch.device("cpu"))
     q, k, v, tau, bias = _inputs(bsz, heads, 2, q_len, past, dim, 4, -0.3)
     junk = torch.randn(bsz, 2, 7, dim)  # unwritten slots of the buffer
     k_buf, v_buf = torch.cat([k, junk], 2), torch.cat([v, junk], 2)
@@ -140,3 +141,48 @@ def test_longer_key_buffer_than_the_call_attends(rng_seed):
         got = fn(q, k_buf, v_buf, tau, bias, meta, dim**-0.5)
         got = got[0] if isinstance(got, tuple) else got
         torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4, msg=f"{fn.__name__}, seed {rng_seed}")
+
+
+def _visible_pairs(meta) -> torch.Tensor:
+    """`[B, Tq, Tk]` bool from the metadata's own fields, by the definition (same segment, `j <= i + key_offset`)."""
+    q_len, k_len = meta.q_pos.shape[1], meta.key_length
+    rows = torch.arange(q_len)[:, None] + int(meta.key_offset)
+    return (meta.q_seg[:, :, None] == meta.k_seg[:, None, :]) & (torch.arange(k_len)[None, :] <= rows)
+
+
+def test_metadata_from_cu_seq_lens_matches_restarting_positions(rng_seed):
+    """Packed documents given as cumulative lengths (TRL's padding-free batches) and as restarting position_ids (the
+    fine-tuning collator) describe the same visibility and positions: each token sees its own document's past."""
+    lengths = torch.randint(1, 7, (4,)).tolist()
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    positions = torch.cat([torch.arange(n) for n in lengths])[None]
+    from_cu = ref.LazyMetadata.from_cu_seq_lens(cu)
+    from_positions = ref.LazyMetadata.from_mask(None, positions, query_length=positions.shape[1])
+    assert torch.equal(from_cu.q_pos, positions) and torch.equal(from_cu.k_pos, positions), f"seed {rng_seed}"
+    assert torch.equal(_visible_pairs(from_cu), _visible_pairs(from_positions)), f"lengths {lengths}"
+    doc = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+    want = (doc[:, None] == doc[None, :]) & torch.ones(len(doc), len(doc), dtype=torch.bool).tril()
+    assert torch.equal(_visible_pairs(from_cu)[0], want), f"lengths {lengths}"
+    assert from_cu.causal == (len(lengths) == 1)
+
+
+def test_metadata_from_seq_lens_is_what_a_serving_engine_holds(rng_seed):
+    """Requests of different lengths, one query each (a decode batch): request b's query sits at position
+    `seq_lens[b] - 1` and sees exactly its own keys 0 .. seq_lens[b] - 1; several queries need one length."""
+    seq_lens = torch.randint(1, 9, (3,))
+    meta = ref.LazyMetadata.from_seq_lens(seq_lens, key_length=10)
+    assert torch.equal(meta.q_pos[:, 0], seq_lens - 1), f"seed {rng_seed}"
+    visible = _visible_pairs(meta)[:, 0]
+    assert torch.equal(visible, torch.arange(10)[None, :] < seq_lens[:, None]), f"seq_lens {seq_lens.tolist()}"
+    assert not meta.causal  # key_length 10 > every request: padded keys
+    shifted = ref.LazyMetadata.from_seq_lens(seq_lens, position_offsets=torch.tensor([0, 2, 5]))
+    assert torch.equal(shifted.q_pos[:, 0], seq_lens - 1 + torch.tensor([0, 2, 5]))
+    prefill = ref.LazyMetadata.from_seq_lens(torch.tensor([6, 6]), query_length=4)
+    assert prefill.causal and torch.equal(prefill.q_pos, torch.arange(2, 6).expand(2, 4))
+    plain = ref.LazyMetadata.from_mask(query_length=4, batch_size=2, past_length=2)
+    for name, a, b in zip(plain._fields, plain, prefill):
+        assert torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b, name
+    with pytest.raises(ValueError, match="several query rows need requests of one length"):
+        ref.LazyMetadata.from_seq_lens(torch.tensor([6, 5]), query_length=2)
+    with pytest.raises(ValueError, match="needs >= query_length"):
+        ref.LazyMetadata.from_seq_lens(torch.tensor([1, 5]), query_length=2)

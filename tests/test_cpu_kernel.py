@@ -6,7 +6,6 @@ Inf rows, bfloat16 / float16 caches; then the registration (dispatcher, fake ten
 install-time build (nothing compiled at run time, the PyTorch path without the module), greedy generation, the
 causal prefill's row pass, and one run of these tests against a sanitizer build."""
 
-import math
 import os
 import shutil
 import subprocess
@@ -16,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from reference64 import decode64, lazy_attention64, token_layout
 
 from modeling_lazy import lazy_attention_cpu as cpu
 
@@ -42,29 +42,6 @@ def isa(request, monkeypatch):
     return request.param
 
 
-def _expected(q, keys, values, tau, bias, positions, scale):
-    """float64 Lazy Attention of one decode row per sequence: q [B, Hq, D]; keys[b] / values[b] [Hkv, n_b, D]."""
-    bsz, heads, _ = q.shape
-    window = bias.shape[1]
-    out = torch.zeros(bsz, heads, values[0].shape[-1], dtype=torch.float64)
-    for b in range(bsz):
-        k, v = keys[b].double(), values[b].double()
-        n = k.shape[1]
-        group = heads // k.shape[0]
-        for h in range(heads):
-            scores = (k[h // group] @ q[b, h].double()) * scale
-            for t in range(n):
-                d = n - 1 - t
-                if d < window:
-                    scores[t] += float(bias[h, d])
-            if float(scores.max()) == -math.inf:
-                continue  # no finite score: no normaliser, weights 0 (a NaN score makes the max NaN: NaN below)
-            p = torch.softmax(scores, 0)
-            a = torch.clamp_min(p + float(tau[h]) / (int(positions[b]) + 1), 0.0)
-            out[b, h] = a @ v[h // group]
-    return out
-
-
 def _contiguous_case(shape, keys, tau_kind, dtype=torch.float32):
     heads, kv_heads, dim, dim_v = SHAPES[shape]
     bsz, capacity = 2, keys + 9
@@ -84,7 +61,7 @@ def test_contiguous_cache_matches_float64(shape, keys, tau_kind, isa, rng_seed):
     q, k, v, tau, bias, positions = _contiguous_case(shape, keys, tau_kind)
     dim = q.shape[-1]
     out = cpu.lazy_decode_cpu(q, k, v, tau, bias, dim**-0.5, seq_len=keys, positions=positions)
-    want = _expected(q, k[:, :, :keys], v[:, :, :keys], tau, bias, positions, dim**-0.5)
+    want = decode64(q, k[:, :, :keys], v[:, :, :keys], tau, bias, positions, dim**-0.5)
     assert out.dtype == torch.float32
     torch.testing.assert_close(out.double(), want, atol=1e-5, rtol=1e-5, msg=lambda m: f"seed {rng_seed}: {m}")
 
@@ -99,7 +76,7 @@ def test_half_precision_caches_match_float64(shape, dtype, isa, rng_seed):
     dim = q.shape[-1]
     out = cpu.lazy_decode_cpu(q, k, v, tau, bias, dim**-0.5, seq_len=300, positions=positions)
     assert out.dtype == torch_dtype
-    want = _expected(q, k[:, :, :300], v[:, :, :300], tau, bias, positions, dim**-0.5)
+    want = decode64(q, k[:, :, :300], v[:, :, :300], tau, bias, positions, dim**-0.5)
     torch.testing.assert_close(out.double(), want, atol=rounding, rtol=rounding,
                                msg=lambda m: f"seed {rng_seed}: {m}")
     # the float32 op on the same rounded inputs, rounded once at the end: the conversion adds no error of its own
@@ -138,7 +115,7 @@ def test_paged_cache_through_a_shuffled_block_table(shape, isa, rng_seed):
     heads, dim = q.shape[1:]
     tau, bias = torch.randn(heads) - 0.5, torch.randn(heads, 24)
     out = cpu.lazy_decode_cpu(q, key_pages, value_pages, tau, bias, dim**-0.5, seq_lens=lengths, block_table=table)
-    want = _expected(q, keys, values, tau, bias, lengths.long() - 1, dim**-0.5)
+    want = decode64(q, keys, values, tau, bias, lengths.long() - 1, dim**-0.5)
     torch.testing.assert_close(out.double(), want, atol=1e-5, rtol=1e-5, msg=lambda m: f"seed {rng_seed}: {m}")
 
 
@@ -147,7 +124,7 @@ def test_paged_bfloat16_cache(isa, rng_seed):
     heads, dim = q.shape[1:]
     tau, bias = torch.randn(heads) - 0.5, torch.randn(heads, 24)
     out = cpu.lazy_decode_cpu(q, key_pages, value_pages, tau, bias, dim**-0.5, seq_lens=lengths, block_table=table)
-    want = _expected(q, keys, values, tau, bias, lengths.long() - 1, dim**-0.5)
+    want = decode64(q, keys, values, tau, bias, lengths.long() - 1, dim**-0.5)
     torch.testing.assert_close(out.double(), want, atol=1e-2, rtol=1e-2, msg=lambda m: f"seed {rng_seed}: {m}")
 
 
@@ -161,7 +138,7 @@ def test_rows_without_a_normaliser_give_zero(tau_value, isa, rng_seed):
     bias[2, :2] = float("-inf")  # head 2 still sees three keys
     out = cpu.lazy_decode_cpu(q, k, v, tau, bias, dim**-0.5, seq_len=keys)
     assert torch.isfinite(out).all() and (out[0, 1] == 0).all() and (out[0, 2] != 0).any(), f"seed {rng_seed}"
-    want = _expected(q, k, v, tau, bias, torch.tensor([keys - 1]), dim**-0.5)
+    want = decode64(q, k, v, tau, bias, torch.tensor([keys - 1]), dim**-0.5)
     torch.testing.assert_close(out.double(), want, atol=1e-5, rtol=1e-5, msg=lambda m: f"seed {rng_seed}: {m}")
 
 
@@ -184,7 +161,7 @@ def test_nan_and_inf_propagate_as_in_the_pytorch_path(case, dtype, isa, monkeypa
 
     torch_dtype = getattr(torch, dtype)
     bsz, heads, kv_heads, dim, past = 2, 6, 2, 16, 80
-    meta = ref.lazy_attention_metadata(None, None, past, 1, bsz, torch.device("cpu"))
+    meta = ref.LazyMetadata.from_mask(query_length=1, batch_size=bsz, past_length=past, device=torch.device("cpu"))
     q = torch.randn(bsz, heads, 1, dim).to(torch_dtype)
     k, v = (torch.randn(bsz, kv_heads, past + 1, dim).to(torch_dtype) for _ in range(2))
     name, index = NON_FINITE[case]
@@ -204,7 +181,7 @@ def test_nan_and_inf_propagate_as_in_the_pytorch_path(case, dtype, isa, monkeypa
     native, pytorch = results
     assert native.isnan().any(), f"seed {rng_seed}: the planted value did not reach the output"
     assert torch.equal(native.isnan(), pytorch.isnan()), f"seed {rng_seed}: NaN patterns differ"
-    want = _expected(q[:, :, 0], k, v, tau, bias, torch.full((bsz,), past), dim**-0.5)  # [B, Hq, D]
+    want = decode64(q[:, :, 0], k, v, tau, bias, torch.full((bsz,), past), dim**-0.5)  # [B, Hq, D]
     assert torch.equal(native[:, 0].isnan(), want.isnan()), f"seed {rng_seed}: NaN pattern differs from float64"
     tol = 1e-5 if dtype == "float32" else 1e-2
     torch.testing.assert_close(native, pytorch, atol=tol, rtol=tol, equal_nan=True, msg=f"seed {rng_seed}")
@@ -219,7 +196,7 @@ def test_nan_in_a_prefill_propagates_as_in_the_reference(case, isa, monkeypatch,
     from modeling_lazy import lazy_attention_torch as ops
 
     bsz, heads, kv_heads, dim, q_len = 2, 4, 2, 16, 30
-    meta = ref.lazy_attention_metadata(None, None, 0, q_len, bsz, torch.device("cpu"))
+    meta = ref.LazyMetadata.from_mask(query_length=q_len, batch_size=bsz, device=torch.device("cpu"))
     q, k, v = torch.randn(bsz, heads, q_len, dim), *torch.randn(2, bsz, kv_heads, q_len, dim)
     if case.startswith("nan-key"):
         k[0, 1, 11, 4] = float("nan")
@@ -235,8 +212,7 @@ def test_nan_in_a_prefill_propagates_as_in_the_reference(case, isa, monkeypatch,
         with torch.no_grad():
             results.append(ops.lazy_attention_torch(q, k, v, tau, bias, meta, dim**-0.5))
     assert calls, "the native row pass was not used"
-    want, _ = ref.lazy_attention_reference(q.double(), k.double(), v.double(), tau.double(), bias.double(), meta,
-                                           dim**-0.5)
+    want = lazy_attention64(q, k, v, tau, bias, *token_layout(None, None, bsz, q_len), dim**-0.5)[0].transpose(1, 2)
     native, pytorch = results
     assert native.isnan().any() and torch.equal(native.isnan(), want.isnan()), f"seed {rng_seed}"
     torch.testing.assert_close(native.double(), want, atol=1e-5, rtol=1e-5, equal_nan=True, msg=f"seed {rng_seed}")
@@ -472,7 +448,7 @@ def test_prefill_elastic_rows_match_float64(case, tau_kind, isa, rng_seed, monke
     heads, kv_heads, dim = 6, 2, 16
     q_len, past, window = {"many-chunks": (70, 0, 16), "cached-keys": (40, 25, 8), "long-window": (33, 3, 128)}[case]
     bsz = 2
-    meta = ref.lazy_attention_metadata(None, None, past, q_len, bsz, torch.device("cpu"))
+    meta = ref.LazyMetadata.from_mask(query_length=q_len, batch_size=bsz, past_length=past, device=torch.device("cpu"))
     q = torch.randn(bsz, heads, q_len, dim) * 2
     k, v = torch.randn(bsz, kv_heads, past + q_len, dim), torch.randn(bsz, kv_heads, past + q_len, dim)
     tau, bias = TAUS[tau_kind](heads), torch.randn(heads, window)
@@ -480,8 +456,8 @@ def test_prefill_elastic_rows_match_float64(case, tau_kind, isa, rng_seed, monke
     with torch.no_grad():
         got = ops.lazy_attention_torch(q, k, v, tau, bias, meta, dim**-0.5)
     assert calls, "the native row pass was not used"
-    want, _ = ref.lazy_attention_reference(q.double(), k.double(), v.double(), tau.double(), bias.double(), meta,
-                                           dim**-0.5)
+    layout = token_layout(None, None, bsz, past + q_len, q_len)
+    want = lazy_attention64(q, k, v, tau, bias, *layout, dim**-0.5)[0].transpose(1, 2)
     assert torch.isfinite(got).all(), f"seed {rng_seed}"
     torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5, msg=lambda m: f"seed {rng_seed}: {m}")
 

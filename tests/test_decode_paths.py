@@ -44,12 +44,12 @@ def _tau(kind, heads):
 
 def _metadata(layout, bsz, past, q_len):
     if layout == "causal":
-        return ref.lazy_attention_metadata(None, None, past, q_len, bsz, CPU)
+        return ref.LazyMetadata.from_mask(query_length=q_len, batch_size=bsz, past_length=past, device=CPU)
     mask = torch.ones(bsz, past + q_len, dtype=torch.long)
     mask[0, : past // 2 + 1] = 0  # left padding of row 0 (general layout)
     if bsz > 2:
         mask[2, : past + q_len - 1] = 0  # a row that is almost all padding: its queries see 1 key or none
-    return ref.lazy_attention_metadata(mask, None, past, q_len, bsz, CPU)
+    return ref.LazyMetadata.from_mask(mask, query_length=q_len, batch_size=bsz, past_length=past, device=CPU)
 
 
 @pytest.mark.parametrize("v_read", list(V_READS))
@@ -81,7 +81,7 @@ def test_decode_reads_only_the_attended_keys_of_a_static_buffer(v_read, rng_seed
     """A static cache hands over its whole (partly unwritten, possibly strided) buffer."""
     _use(v_read, monkeypatch)
     bsz, heads, kv_heads, past, dim = 2, 4, 2, 40, 16
-    meta = ref.lazy_attention_metadata(None, None, past, 1, bsz, CPU)
+    meta = ref.LazyMetadata.from_mask(query_length=1, batch_size=bsz, past_length=past, device=CPU)
     q = torch.randn(bsz, heads, 1, dim) * 3
     kv = torch.randn(2, bsz, kv_heads, 64, dim)
     kv[:, :, :, past + 1 :] = float("nan")  # unwritten slots must never be read into the result
@@ -103,7 +103,7 @@ def test_decode_reads_only_the_attended_keys_of_a_static_buffer(v_read, rng_seed
 def test_decode_rows_without_a_normaliser_give_zero(tau_value, v_read, rng_seed, monkeypatch):
     _use(v_read, monkeypatch)
     bsz, heads, past, q_len, dim = 2, 2, 1, 4, 8
-    meta = ref.lazy_attention_metadata(None, None, past, q_len, bsz, CPU)
+    meta = ref.LazyMetadata.from_mask(query_length=q_len, batch_size=bsz, past_length=past, device=CPU)
     q, k, v = torch.randn(bsz, heads, q_len, dim), *torch.randn(2, bsz, 1, past + q_len, dim)
     tau, bias = _tau("zero", heads) + tau_value, torch.randn(heads, 8)
     bias[0, :3] = float("-inf")  # head 0: the rows at positions 0..2 see only -inf scores
@@ -118,7 +118,7 @@ def test_decode_rows_without_a_normaliser_give_zero(tau_value, v_read, rng_seed,
 def test_decode_other_dtypes(dtype, rng_seed, monkeypatch):
     monkeypatch.setattr(ops, "_SPARSE_V_MIN_KEYS", 0)
     bsz, heads, kv_heads, past, dim = 2, 4, 2, 70, 16
-    meta = ref.lazy_attention_metadata(None, None, past, 1, bsz, CPU)
+    meta = ref.LazyMetadata.from_mask(query_length=1, batch_size=bsz, past_length=past, device=CPU)
     q = (torch.randn(bsz, heads, 1, dim) * 3).to(dtype)
     k, v = (torch.randn(bsz, kv_heads, past + 1, dim).to(dtype) for _ in range(2))
     tau, bias = _tau("negative", heads), torch.randn(heads, 16)
@@ -139,7 +139,7 @@ def test_training_never_takes_the_decode_path(rng_seed, monkeypatch):
     monkeypatch.setattr(ops, "_one_row_decode", refuse)
     monkeypatch.setattr(ops, "_kernel_decode", refuse)
     bsz, heads, past, dim = 1, 4, 30, 8
-    meta = ref.lazy_attention_metadata(None, None, past, 1, bsz, CPU)
+    meta = ref.LazyMetadata.from_mask(query_length=1, batch_size=bsz, past_length=past, device=CPU)
     q = torch.randn(bsz, heads, 1, dim, requires_grad=True)
     k, v = (torch.randn(bsz, 2, past + 1, dim, requires_grad=True) for _ in range(2))
     tau, bias = _tau("mixed", heads).requires_grad_(), torch.randn(heads, 8, requires_grad=True)
@@ -157,7 +157,7 @@ def test_decode_with_every_weight_zero(v_read, rng_seed, monkeypatch):
     """tau far below 0 leaves no key weighted: the sparse read gathers no row and the output is 0."""
     _use(v_read, monkeypatch)
     bsz, heads, past, dim = 2, 4, 50, 8
-    meta = ref.lazy_attention_metadata(None, None, past, 1, bsz, CPU)
+    meta = ref.LazyMetadata.from_mask(query_length=1, batch_size=bsz, past_length=past, device=CPU)
     q, k, v = torch.randn(bsz, heads, 1, dim), *torch.randn(2, bsz, 2, past + 1, dim)
     tau, bias = torch.full((heads,), -1e3), torch.randn(heads, 8)
     with torch.no_grad():
@@ -171,13 +171,14 @@ def test_decode_with_every_weight_zero(v_read, rng_seed, monkeypatch):
 def test_all_ones_mask_gives_the_no_mask_metadata(past, positions):
     q_len, bsz = 3, 2
     position_ids = torch.arange(past, past + q_len)[None] if positions else None
-    plain = ref.lazy_attention_metadata(None, position_ids, past, q_len, bsz, CPU)
-    ones = ref.lazy_attention_metadata(torch.ones(bsz, past + q_len, dtype=torch.long), position_ids, past, q_len,
-                                       bsz, CPU)
+    plain = ref.LazyMetadata.from_mask(None, position_ids, query_length=q_len, batch_size=bsz, past_length=past)
+    ones = ref.LazyMetadata.from_mask(torch.ones(bsz, past + q_len, dtype=torch.long), position_ids, query_length=q_len,
+                                      past_length=past)
     assert ones.causal and plain.causal
     for name, a, b in zip(plain._fields, plain, ones):
         assert torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b, name
-    shifted = ref.lazy_attention_metadata(None, position_ids + 1, past, q_len, bsz, CPU) if positions else None
+    shifted = ref.LazyMetadata.from_mask(None, position_ids + 1, query_length=q_len, batch_size=bsz,
+                                         past_length=past) if positions else None
     assert shifted is None or shifted.causal == (past == 0)  # a cache at 0 .. past - 1 must be continued
 
 
@@ -229,7 +230,7 @@ def test_tau_zero_and_zero_bias_is_softmax_attention_through_sdpa(q_len, past, r
     sdpa = F.scaled_dot_product_attention
     monkeypatch.setattr(F, "scaled_dot_product_attention", lambda *a, **kw: calls.append(1) or sdpa(*a, **kw))
     heads, kv_heads, dim = 6, 2, 16
-    meta = ref.lazy_attention_metadata(None, None, past, q_len, 1, CPU)
+    meta = ref.LazyMetadata.from_mask(query_length=q_len, batch_size=1, past_length=past, device=CPU)
     q = torch.randn(1, heads, q_len, dim, dtype=torch.float64)
     k, v = (torch.randn(1, kv_heads, past + q_len, dim, dtype=torch.float64) for _ in range(2))
     tau, bias = torch.zeros(heads), torch.zeros(heads, 16)
@@ -254,7 +255,7 @@ def test_cached_bias_facts_follow_in_place_updates_and_longer_caches(rng_seed):
     with torch.no_grad():
         for past in (5, 30, 1500, 3000, 30):  # 1500 and 3000 exceed the first capacity (1024), then double it
             for update in range(2):
-                meta = ref.lazy_attention_metadata(None, None, past, 1, 1, CPU)
+                meta = ref.LazyMetadata.from_mask(query_length=1, batch_size=1, past_length=past, device=CPU)
                 q = torch.randn(1, heads, 1, dim) * 3
                 k, v = (torch.randn(1, kv_heads, past + 1, dim) for _ in range(2))
                 want, _ = ref.lazy_attention_reference(q, k, v, tau, bias, meta, dim**-0.5)

@@ -30,7 +30,8 @@ def test_make_demo_runs_the_conversion_demo():
 
 
 def test_conversion_package_imports_no_demo_and_no_tool():
-    """conversion/ uses the shared helpers of lazy_llama_tools (atomic folders, loading, the command-line arguments) but no
+    """conversion/ uses the shared helpers of lazy_llama_tools (atomic folders, loading, the command-line arguments) but
+    no
     demo and no other tool (fine-tuning, data, reports), so the converter's import stays small."""
     script = (
         "import importlib, pkgutil, sys, conversion\n"
@@ -40,7 +41,8 @@ def test_conversion_package_imports_no_demo_and_no_tool():
     )
     result = _run("-c", script)
     assert result.returncode == 0, result.stderr
-    assert result.stdout.strip() == "['lazy_llama_tools', 'lazy_llama_tools.cli', 'lazy_llama_tools.folders', 'lazy_llama_tools.loading']"
+    assert result.stdout.strip() == str(['lazy_llama_tools', 'lazy_llama_tools.cli', 'lazy_llama_tools.folders',
+                                         'lazy_llama_tools.loading'])
 
 
 def test_conversion_demo_without_npm_stops_at_once_with_one_message(tmp_path):

@@ -7,7 +7,7 @@ import textwrap
 
 SCRIPT = textwrap.dedent("""
     import json, resource, sys, torch
-    from modeling_lazy.lazy_attention_reference import lazy_attention_metadata
+    from modeling_lazy.lazy_attention_reference import LazyMetadata
     from modeling_lazy.lazy_attention_torch import lazy_attention_torch
     length, heads, dim = int(sys.argv[1]), 4, 64
     torch.manual_seed(0)
@@ -16,9 +16,9 @@ SCRIPT = textwrap.dedent("""
     v = torch.randn(1, heads, length, dim, requires_grad=True)
     tau = torch.full((heads,), -1.0, requires_grad=True)
     bias = torch.zeros(heads, 1024, requires_grad=True)
-    meta = lazy_attention_metadata(None, None, 0, length, 1, q.device)
+    meta = LazyMetadata.from_mask(query_length=length)
     torch.autograd.grad(lazy_attention_torch(q[:, :, :64], k[:, :, :64], v[:, :, :64], tau, bias,
-                                             lazy_attention_metadata(None, None, 0, 64, 1, q.device),
+                                             LazyMetadata.from_mask(query_length=64),
                                              dim ** -0.5).sum(), [q])  # warm-up: allocator, kernels
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     out = lazy_attention_torch(q, k, v, tau, bias, meta, dim ** -0.5)

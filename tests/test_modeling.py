@@ -230,7 +230,7 @@ def test_lazy_gradients_equal_eager_for_every_parameter(rng_seed):
 def test_torch_attention_op_gradcheck(rng_seed):
     """Float64 gradcheck of the chunked PyTorch op (forward and recomputing backward) incl. tau and bias."""
     from modeling_lazy import lazy_attention_torch as ops
-    from modeling_lazy.lazy_attention_reference import lazy_attention_metadata
+    from modeling_lazy.lazy_attention_reference import LazyMetadata
 
     bsz, heads, kv, tq, past, dim, window = 2, 2, 1, 4, 2, 4, 3
     q = torch.randn(bsz, heads, tq, dim, dtype=torch.float64, requires_grad=True)
@@ -240,7 +240,7 @@ def test_torch_attention_op_gradcheck(rng_seed):
     bias = torch.randn(heads, window, dtype=torch.float64, requires_grad=True)
     mask = torch.ones(bsz, tq + past, dtype=torch.long)
     mask[1, :2] = 0
-    meta = lazy_attention_metadata(mask, None, past, tq, bsz, q.device)
+    meta = LazyMetadata.from_mask(mask, query_length=tq, batch_size=bsz, past_length=past, device=q.device)
     fn = lambda *x: ops.lazy_attention_torch(*x, meta, dim**-0.5)  # noqa: E731
     assert torch.autograd.gradcheck(fn, (q, k, v, tau, bias), eps=1e-6, atol=1e-5)
 

@@ -18,7 +18,7 @@ from transformers import CompileConfig, StaticCache
 
 from modeling_lazy import LazyLlamaConfig, LazyLlamaForCausalLM
 from modeling_lazy import lazy_attention_ops as ops
-from modeling_lazy.lazy_attention_reference import lazy_attention_metadata, lazy_attention_reference
+from modeling_lazy.lazy_attention_reference import LazyMetadata, lazy_attention_reference
 
 ROOT = Path(__file__).resolve().parents[1]
 CUDA, CPU = torch.device("cuda"), torch.device("cpu")
@@ -112,7 +112,7 @@ def _op_inputs(rng_seed, q_len, k_len, padded=False, grad=False):
     mask = torch.ones(bsz, k_len, dtype=torch.long)
     if padded:
         mask[1, :3] = 0
-    meta = lazy_attention_metadata(mask, None, k_len - q_len, q_len, bsz, query.device)
+    meta = LazyMetadata.from_mask(mask, query_length=q_len, past_length=k_len - q_len)
     leaves = [t.requires_grad_(grad) for t in (query, key, value, tau, bias)]
     return leaves, meta, dim**-0.5
 
@@ -235,7 +235,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from modeling_lazy import lazy_attention_ops as ops
-from modeling_lazy.lazy_attention_reference import lazy_attention_metadata
+from modeling_lazy.lazy_attention_reference import LazyMetadata
 
 assert ops.uses_triton(torch.device("cpu"))
 B, H, HKV, D, W = 2, 4, 2, 16, 8
@@ -252,9 +252,9 @@ def attention(q_len, k_len, mask=None, static=False):
 
     if static:  # a static cache's buffer: the written length is a tensor
         past = torch.tensor(k_len - 4, dtype=torch.long)
-        meta = lazy_attention_metadata(mask, None, past, q_len, B, torch.device("cpu"), key_length=k_len)
+        meta = LazyMetadata.from_mask(mask, query_length=q_len, batch_size=B, past_length=past, key_length=k_len)
     else:
-        meta = lazy_attention_metadata(mask, None, k_len - q_len, q_len, B, torch.device("cpu"))
+        meta = LazyMetadata.from_mask(mask, query_length=q_len, batch_size=B, past_length=k_len - q_len)
 
     def run(query, key, value, tau, bias, q_pos, k_pos, q_seg, k_seg, past):  # the metadata's tensors as inputs
         call = meta._replace(q_pos=q_pos, k_pos=k_pos, q_seg=q_seg, k_seg=k_seg, q_pos32=q_pos.int(),
@@ -291,7 +291,7 @@ for name, names in found.items():
 
 # the fakes agree with the kernels (shapes, dtypes, strides): real interpreted launches on small inputs
 q, k, v = torch.randn(1, H, 20, D), torch.randn(1, HKV, 20, D), torch.randn(1, HKV, 20, D)
-meta = lazy_attention_metadata(None, None, 0, 20, 1, torch.device("cpu"))
+meta = LazyMetadata.from_mask(query_length=20)
 positions = (meta.q_pos32, meta.k_pos32, meta.q_seg, meta.k_seg)
 checks = {"triton_attention": [(q, k, v, torch.randn(H), torch.randn(H, W), *positions, causal, store, 0.25)
                                for causal, store in ((True, True), (True, False), (False, False))],

@@ -1,5 +1,6 @@
-"""The study's control variants (lazy_llama_tools/replicate.py) do what their names say, and the pooled attention
-figures (lazy_llama_tools.metrics.pooled_attention_statistics) agree with a direct count. Tiny random models: seconds."""
+"""The study's control variants (lazy_llama_tools/replicate.py) do what their names say, and the pooled
+attention figures (lazy_llama_tools.metrics.pooled_attention_statistics) agree with a direct count. Tiny random
+models: seconds."""
 
 import argparse
 import math
@@ -10,7 +11,7 @@ import torch
 from lazy_llama_tools import replicate
 from lazy_llama_tools.metrics import attention_weights, pooled_attention_statistics
 from modeling_lazy.lazy_attention_reference import (
-    lazy_attention_metadata,
+    LazyMetadata,
     lazy_attention_reference,
 )
 
@@ -115,7 +116,7 @@ def test_norelu_has_no_exact_zeros_and_equals_p_plus_tau_over_n():
     # and the weights are softmax + tau/n: compare with the reference at tau = 0 (plain softmax with the bias)
     attn = norelu.model.layers[0].self_attn
     q, k, v = (torch.randn(1, 2, 16, 16, generator=torch.Generator().manual_seed(s)) for s in (2, 3, 4))
-    meta = lazy_attention_metadata(None, None, 0, 16, 1, q.device)
+    meta = LazyMetadata.from_mask(query_length=16, batch_size=1, device=q.device)
     out, w = replicate.norelu_attention(attn, q, k, v, None, 0.25, lazy_metadata=meta)
     _, p = lazy_attention_reference(q, k, v, torch.zeros(2), attn.distance_bias, meta, 0.25)
     n = torch.arange(1, 17.0)[None, None, :, None]

@@ -18,7 +18,6 @@ The tau and distance_bias gradients come from float32 sums of dS and are held to
 """
 
 import json
-import math
 import os
 import random
 import subprocess
@@ -30,6 +29,7 @@ from typing import NamedTuple
 
 import pytest
 import torch
+from reference64 import lazy_attention64
 
 ROOT = Path(__file__).resolve().parents[1]
 ENVIRONMENT = {"TRITON_INTERPRET": "1", "LAZY_LLAMA_BACKEND": "triton"}
@@ -37,39 +37,14 @@ CHILD_TIMEOUT_S = 1200
 TOLERANCE = {torch.float32: 2e-4, torch.float16: 1e-2, torch.bfloat16: 4e-2}
 
 
-# ---------------------------------------------------------------------------------------------------
-# Independent float64 reference (dense; written from the math in docs/design.md, shares no code with the project)
+# The float64 oracle (tests/reference64.py: written from the math in docs/design.md, shares no code with the project)
 # ---------------------------------------------------------------------------------------------------
 
 
 def reference(query, key, value, tau, distance_bias, q_pos, k_pos, q_seg, k_seg, scaling):
-    """float64 Lazy Attention; returns `[B, Tq, Hq, D]`. Differentiable in the five float inputs."""
-    weights, v = reference_weights(query, key, value, tau, distance_bias, q_pos, k_pos, q_seg, k_seg, scaling)
-    return (weights @ v).transpose(1, 2)
-
-
-def reference_weights(query, key, value, tau, distance_bias, q_pos, k_pos, q_seg, k_seg, scaling):
-    """float64 weights a_ij `[B, Hq, Tq, Tk]` and the values repeated over the query heads `[B, Hq, Tk, D]`."""
-    bsz, num_heads, q_len, _ = query.shape
-    groups = num_heads // key.shape[1]
-    k_len = key.shape[2]
-    k = key.double().repeat_interleave(groups, dim=1)
-    v = value.double().repeat_interleave(groups, dim=1)
-    scores = scaling * query.double() @ k.transpose(-1, -2)  # [B, H, Tq, Tk]
-    dist = q_pos[:, :, None] - k_pos[:, None, :]  # [B, Tq, Tk]
-    window = distance_bias.shape[1]
-    in_window = (dist >= 0) & (dist < window)
-    bias = distance_bias.double()[:, dist.clamp(0, window - 1)].permute(1, 0, 2, 3)  # [B, H, Tq, Tk]
-    scores = scores + bias * in_window[:, None]
-    q_index = torch.arange(q_len)[:, None] + (k_len - q_len)
-    visible = (q_seg[:, :, None] == k_seg[:, None, :]) & (torch.arange(k_len)[None, :] <= q_index)
-    visible = visible[:, None]  # [B, 1, Tq, Tk]
-    scores = scores.masked_fill(~visible, -math.inf)
-    lse = torch.logsumexp(scores, -1, keepdim=True)
-    probs = torch.exp(scores - torch.where(torch.isinf(lse), torch.zeros_like(lse), lse))
-    n = (q_pos + 1).double()[:, None, :, None]
-    weights = torch.where(visible, torch.relu(probs + tau.double()[None, :, None, None] / n), 0.0)
-    return weights, v
+    """The oracle's output as the kernels lay it out, `[B, Tq, Hq, D]`. Differentiable in the five float inputs."""
+    out, _ = lazy_attention64(query, key, value, tau, distance_bias, q_pos, k_pos, q_seg, k_seg, scaling)
+    return out.transpose(1, 2)
 
 
 def metadata(bsz, q_len, k_len, pad=None, docs=None):
@@ -97,8 +72,7 @@ def as_metadata(q_pos, k_pos, q_seg, k_seg, causal=False):
     which lets the kernels take their causal fast path)."""
     from modeling_lazy.lazy_attention_reference import LazyMetadata
 
-    offset = k_pos.shape[1] - q_pos.shape[1]
-    return LazyMetadata(q_pos, k_pos, q_seg, k_seg, offset, causal, q_pos.to(torch.int32), k_pos.to(torch.int32))
+    return LazyMetadata.from_tensors(q_pos, k_pos, q_seg, k_seg, causal=causal)
 
 
 def int32(meta):
@@ -252,13 +226,13 @@ def tile_density_counts(kernels):
 def dead_rows_and_longer_key_buffer(kernels):
     """Rows whose visible scores are all -inf give 0 (never NaN) with both tau signs, and a key buffer longer than
     the metadata (a static cache) reads only the keys the call attends to; compared with the project's reference."""
-    from modeling_lazy.lazy_attention_reference import lazy_attention_metadata, lazy_attention_reference
+    from modeling_lazy.lazy_attention_reference import LazyMetadata, lazy_attention_reference
 
     query, key, value, tau, bias, grad = make_inputs(2, 4, 2, 20, 26, 64, 8, torch.float32, [-1.0, 0.5, 0.0, -0.2])
     bias[:2, :4] = float("-inf")  # heads 0 and 1: every row at position <= 3 sees only -inf scores
     mask = torch.ones(2, 26, dtype=torch.long)
     mask[1, :3] = 0
-    meta = lazy_attention_metadata(mask, None, 6, 20, 2, torch.device("cpu"))
+    meta = LazyMetadata.from_mask(mask, query_length=20, batch_size=2, past_length=6, device=torch.device("cpu"))
     junk = torch.randn(2, 2, 5, 64)
     leaves = [x.clone().requires_grad_() for x in (query, key, value, tau, bias)]
     out = kernels.lazy_attention_triton(leaves[0], torch.cat([leaves[1], junk], 2), torch.cat([leaves[2], junk], 2),
@@ -330,7 +304,8 @@ def causal_forward_stores_u(kernels):
             plain = kernels._causal_forward(query, key, value, tau, bias, q_pos, scaling, block_d)
             assert plain[2] is None and u.dtype == torch.float32, (plain[2], u.dtype)
             torch.testing.assert_close(out, plain[0], rtol=1e-5, atol=1e-6)
-            weights, v = reference_weights(query, key, value, tau, bias, *meta, scaling)
+            _, weights = lazy_attention64(query, key, value, tau, bias, *meta, scaling)
+            v = value.double().repeat_interleave(query.shape[1] // value.shape[1], dim=1)
             errors[name] = relative_error(u, ((weights > 0).double() @ v).transpose(1, 2))
         ops._causal_forward = lambda *args: stored.append(args[-1]) or forward(*args)
         params = (tau.requires_grad_(), bias.requires_grad_())
@@ -345,7 +320,7 @@ def causal_forward_stores_u(kernels):
 
 
 def fresh_seed() -> int:
-    """A fresh seed for one check, or `$LAZY_TEST_SEED` (conftest's replay variable, which reaches the child) to
+    """A fresh seed for one check, or `$LAZY_LLAMA_TEST_SEED` (conftest's replay variable, which reaches the child) to
     replay it; the checks that use it name it in their failure messages."""
     from conftest import SEED_ENV  # tests/ is on the child's path (this file runs as a script there)
 
