@@ -43,11 +43,13 @@ SIZES = {
                  model=dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=6,
                             num_attention_heads=9, num_key_value_heads=3, tie_word_embeddings=True),
                  prefill=[128, 512, 2048], prompts=[128, 1024], new_tokens=64, train=[512, 2048],
+                 batch_prompts=[64, 80, 96, 112, 128, 72, 104, 120], packed_train=(2048, [256, 1024, 512, 256]),
                  decode_contexts=[1024, 4096, 8192], decode_steps=16, smollm2_context=8192),
     "smoke": dict(attn_lengths=[64, 256], heads=4, dim=32, rounds=3, memory_lengths=[256, 1024],
                   model=dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                              num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True),
                   prefill=[32, 128], prompts=[16], new_tokens=8, train=[64],
+                  batch_prompts=[8, 12, 16], packed_train=(64, [16, 48]),
                   decode_contexts=[64, 256], decode_steps=4, smollm2_context=None),
 }
 
@@ -190,6 +192,16 @@ def bench_model(size):
                         f"{1 / r[0]:.2f}x", f"{r[3]:.3f}", f"{r[4]:.3f}"]))
             _record("model", measure="generate", prompt=length, new_tokens=size["new_tokens"], tau=tau_value,
                     **_raw(r))
+        lengths = size["batch_prompts"]  # a left-padded batch, as batched generate() takes it
+        ids = torch.randint(3, vocab, (len(lengths), max(lengths)))
+        mask = (torch.arange(max(lengths)) >= max(lengths) - torch.tensor(lengths)[:, None]).long()
+        gen = dict(max_new_tokens=size["new_tokens"], min_new_tokens=size["new_tokens"], do_sample=False,
+                   attention_mask=mask, pad_token_id=0)
+        r = interleaved_ratio(lambda: lazy.generate(ids, **gen), lambda: llama.generate(ids, **gen), size["rounds"])
+        label = f"generate {size['new_tokens']}, batch of {len(lengths)} left-padded ({min(lengths)}-{max(lengths)})"
+        print(_row([label, tau_value, _fmt(*r[:3]), f"{1 / r[0]:.2f}x", f"{r[3]:.3f}", f"{r[4]:.3f}"]))
+        _record("model", measure="generate left-padded batch", prompts=lengths, new_tokens=size["new_tokens"],
+                tau=tau_value, **_raw(r))
         for length in size["train"] if size.get("train_steps", True) else []:
             ids = torch.randint(0, vocab, (1, length))
             opt_lazy = torch.optim.AdamW(lazy.parameters(), lr=1e-6)
@@ -207,6 +219,25 @@ def bench_model(size):
             print(_row([f"train step L={length}", tau_value, _fmt(*r[:3]), f"{1 / r[0]:.2f}x", f"{r[3]:.3f}",
                         f"{r[4]:.3f}"]))
             _record("model", measure="train step", length=length, tau=tau_value, **_raw(r))
+        if size.get("train_steps", True):  # packed documents, restarting positions (lazy-finetune's blocks)
+            length, docs = size["packed_train"]
+            ids = torch.randint(0, vocab, (1, length))
+            positions = torch.cat([torch.arange(n) for n in docs])[None]
+            opt_lazy = torch.optim.AdamW(lazy.parameters(), lr=1e-6)
+            opt_llama = torch.optim.AdamW(llama.parameters(), lr=1e-6)
+
+            def packed_step(model, opt):
+                model(ids, position_ids=positions, labels=ids).loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+
+            lazy.train(), llama.train()
+            r = interleaved_ratio(lambda: packed_step(lazy, opt_lazy), lambda: packed_step(llama, opt_llama),
+                                  max(3, size["rounds"] // 2))
+            lazy.eval(), llama.eval()
+            print(_row([f"packed train step L={length} ({len(docs)} documents)", tau_value, _fmt(*r[:3]),
+                        f"{1 / r[0]:.2f}x", f"{r[3]:.3f}", f"{r[4]:.3f}"]))
+            _record("model", measure="packed train step", length=length, documents=docs, tau=tau_value, **_raw(r))
 
 
 class InPlaceLayer(DynamicLayer):

@@ -2,9 +2,10 @@
 // tensors of another device get the dispatcher's error). Built at install time by setup.py as the Python module
 // `lazy_llama_cpu`; `modeling_lazy/lazy_attention_cpu.py` imports it and holds the fake (meta) implementations.
 //
-// cpu_decode          one decode row per sequence, Lazy Attention over a contiguous `[B, Hkv, T, D]` cache or
-//                     vLLM's paged cache through a block table; float32, bfloat16 or float16 (converted on load,
-//                     accumulated in float32, written in the query dtype).
+// cpu_decode          one decode row per sequence, Lazy Attention over a contiguous `[B, Hkv, T, D]` cache (each
+//                     sequence's keys may start after left padding) or vLLM's paged cache through a block table;
+//                     float32, bfloat16 or float16 (converted on load, accumulated in float32, written in the query
+//                     dtype).
 // cpu_elastic_rows_   Elastic-Softmax in place on one causal chunk of float32 scores (the prefill's row pass).
 // cpu_cache_write_    K/V rows of new tokens into their paged-cache slots.
 // cpu_vector_isa      the vector code the ops run on this CPU ("avx2+fma" or "scalar").
@@ -84,13 +85,15 @@ struct DecodeArgs {
     int64_t table_stride, block_size, num_blocks;
     const int32_t *seq_lens;  // [B] key counts, or null: every sequence has seq_len keys
     int64_t seq_len;
-    const int64_t *positions;  // [B] query positions, or null: position n - 1
+    const int32_t *key_starts;  // [B] first key each sequence sees (left padding before it), or null: 0
+    const int64_t *positions;  // [B] query positions, or null: position n - 1 (n: the keys it sees)
     const float *tau, *bias;
     int64_t window;
     float scale;
     int64_t heads, kv_heads, dim, dim_v;
 
     int64_t keys(int64_t b) const { return seq_lens ? static_cast<int64_t>(seq_lens[b]) : seq_len; }
+    int64_t first_key(int64_t b) const { return key_starts ? static_cast<int64_t>(key_starts[b]) : 0; }
 
     // Row t of sequence b, head h: block table[b][t / block_size] (or b itself without a table), row t % block_size.
     int64_t row_offset(int64_t b, int64_t h, int64_t t, int64_t s0, int64_t s1, int64_t s2) const {
@@ -204,7 +207,7 @@ void check_float_table(const at::Tensor &t, const char *op, const char *name) {
 at::Tensor cpu_decode(const at::Tensor &query, const at::Tensor &key, const at::Tensor &value, const at::Tensor &tau,
                       const at::Tensor &distance_bias, double scale, int64_t seq_len,
                       const std::optional<at::Tensor> &seq_lens, const std::optional<at::Tensor> &block_table,
-                      const std::optional<at::Tensor> &positions) {
+                      const std::optional<at::Tensor> &positions, const std::optional<at::Tensor> &key_starts) {
     const char *op = "cpu_decode";
     for (auto [t, name] : {std::pair{&query, "query"}, {&key, "key"}, {&value, "value"}}) {
         check_cpu(*t, op, name);
@@ -266,6 +269,20 @@ at::Tensor cpu_decode(const at::Tensor &query, const at::Tensor &key, const at::
     } else {
         TORCH_CHECK(seq_len >= 0 && seq_len <= capacity, "lazy_llama::cpu_decode: seq_len ", seq_len,
                     " is outside the cache's ", capacity, " rows");
+    }
+    if (key_starts.has_value()) {
+        const at::Tensor &starts = *key_starts;
+        check_cpu(starts, op, "key_starts");
+        TORCH_CHECK(starts.scalar_type() == at::kInt && starts.dim() == 1 && starts.size(0) == batch &&
+                        starts.is_contiguous(),
+                    "lazy_llama::cpu_decode: key_starts must be contiguous int32 [B]; got ", starts.scalar_type(), " ",
+                    starts.sizes());
+        a.key_starts = starts.data_ptr<int32_t>();
+        for (int64_t b = 0; b < batch; b++) {
+            const int64_t n = a.seq_lens ? a.seq_lens[b] : seq_len;
+            TORCH_CHECK(a.key_starts[b] >= 0 && a.key_starts[b] <= n, "lazy_llama::cpu_decode: key_starts[", b,
+                        "] = ", a.key_starts[b], " is outside the sequence's ", n, " keys");
+        }
     }
     if (positions.has_value()) {
         const at::Tensor &pos = *positions;
@@ -380,7 +397,7 @@ void cpu_cache_write_(const at::Tensor &key, const at::Tensor &value, const at::
 
 TORCH_LIBRARY_FRAGMENT(lazy_llama, m) {
     m.def("cpu_decode(Tensor query, Tensor key, Tensor value, Tensor tau, Tensor distance_bias, float scale, "
-          "int seq_len, Tensor? seq_lens, Tensor? block_table, Tensor? positions) -> Tensor");
+          "int seq_len, Tensor? seq_lens, Tensor? block_table, Tensor? positions, Tensor? key_starts=None) -> Tensor");
     m.def("cpu_elastic_rows_(Tensor(a!) scores, int i0, Tensor tau, Tensor distance_bias, Tensor q_pos, "
           "int row0) -> ()");
     m.def("cpu_cache_write_(Tensor key, Tensor value, Tensor slots, Tensor(a!) key_cache, "

@@ -191,16 +191,17 @@ static inline void lazy_elastic_softmax(float *x, int64_t n, float shift) {
     }
 }
 
-// One (sequence b, key/value head h) task of the decode op: the G query heads of the group against keys 0 .. n - 1.
+// One (sequence b, key/value head h) task of the decode op: the G query heads of the group against the sequence's
+// keys first .. first + n - 1 (first: 0, or the row after its left padding); key t of them is at distance n - 1 - t.
 static void decode_task(const DecodeArgs &a, int64_t task, DecodeScratch &scratch) {
     const int64_t groups = a.heads / a.kv_heads, dim = a.dim, dim_v = a.dim_v;
     const int64_t b = task / a.kv_heads, h = task % a.kv_heads;
-    const int64_t n = a.keys(b);
+    const int64_t first = a.first_key(b), n = a.keys(b) - first;
     if (n <= 0) {
         for (int64_t g = 0; g < groups; g++) a.store_out(b, h * groups + g, nullptr);
         return;
     }
-    a.check_blocks(b, n);
+    a.check_blocks(b, first + n);
     float *const s = scratch.floats(2 * groups * n + groups * dim_v + groups * dim + a.convert_floats(n));
     float *const w = s + groups * n, *const acc = w + groups * n, *const q = acc + groups * dim_v;
     float *const converted = q + groups * dim;  // key then value rows of a half-precision cache, as float32
@@ -212,12 +213,12 @@ static void decode_task(const DecodeArgs &a, int64_t task, DecodeScratch &scratc
     if (dim % 8 == 0)
         for (; t + 8 <= n; t += 8) {
             const float *k8[8];
-            for (int j = 0; j < 8; j++) k8[j] = a.key_row(b, h, t + j, converted + (t + j) * dim);
+            for (int j = 0; j < 8; j++) k8[j] = a.key_row(b, h, first + t + j, converted + (t + j) * dim);
             for (int64_t g = 0; g < groups; g++) lazy_dot8(q + g * dim, k8, dim, a.scale, s + g * n + t);
         }
 #endif
     for (; t < n; t++) {
-        const float *kt = a.key_row(b, h, t, converted + t * dim);
+        const float *kt = a.key_row(b, h, first + t, converted + t * dim);
         for (int64_t g = 0; g < groups; g++) s[g * n + t] = lazy_dot(q + g * dim, kt, dim) * a.scale;
     }
     // 2. the distance bias on the last W keys, then a = max(0, softmax + tau / n) per head
@@ -240,7 +241,7 @@ static void decode_task(const DecodeArgs &a, int64_t task, DecodeScratch &scratc
         for (unsigned bits = static_cast<unsigned>(_mm256_movemask_ps(any)); bits; bits &= bits - 1) {
             const int64_t tb = t0 + __builtin_ctz(bits);
             for (int64_t g = 0; g < groups; g++) w[m * groups + g] = s[g * n + tb];
-            rows[m] = a.value_row(b, h, tb, v_converted + m * dim_v);
+            rows[m] = a.value_row(b, h, first + tb, v_converted + m * dim_v);
             m++;
         }
     }
@@ -250,7 +251,7 @@ static void decode_task(const DecodeArgs &a, int64_t task, DecodeScratch &scratc
         for (int64_t g = 0; g < groups; g++) any |= s[g * n + tb] != 0.0f;  // true for NaN
         if (!any) continue;
         for (int64_t g = 0; g < groups; g++) w[m * groups + g] = s[g * n + tb];
-        rows[m] = a.value_row(b, h, tb, v_converted + m * dim_v);
+        rows[m] = a.value_row(b, h, first + tb, v_converted + m * dim_v);
         m++;
     }
     // 4. o_g = sum_t a_gt v_t over those rows

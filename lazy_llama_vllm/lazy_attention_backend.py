@@ -5,7 +5,7 @@ per-head distance bias need the whole score row and each query's position, so th
 
 1. asks vLLM for the head-major cache layout (`LBHNC`): one layer's cache is a contiguous
    `[num_blocks, num_kv_heads, block_size, 2 * head_size]` tensor whose (block, head) pages this backend
-   fills as `block_size` keys followed by `block_size` values (`_split_pages`; value heads of another size
+   fills as `block_size` keys followed by `block_size` values (`LazyPageLayout`; value heads of another size
    are refused);
 2. writes every new token's K and V into their pages (`do_kv_cache_update`);
 3. for each step, groups the scheduled requests (`LazyServingMetadata`, built once per step and shared by
@@ -125,6 +125,55 @@ def use_triton(device: torch.device) -> bool:
     return uses_triton(device)
 
 
+@dataclass(frozen=True)
+class LazyPageLayout:
+    """The one place that knows how this backend lays out a layer's KV cache; every reader and writer asks here.
+
+    vLLM hands each layer a contiguous `[num_blocks, Hkv, block_size, 2 * D]` tensor (the head-major LBHNC layout
+    this backend requests). This backend alone reads and writes it, so it stores each (block, head) page of
+    `block_size * 2D` values as all the page's `block_size` keys followed by all its values: gathered pages are
+    then contiguous K and V matrices, and the native CPU ops and the Triton kernels read them as two strided views.
+    Seen as rows of D values, key t of (block, head) is row `(block * Hkv + head) * 2 * block_size + t`, its value
+    `block_size` rows later.
+    """
+
+    num_kv_heads: int
+    block_size: int
+    head_size: int
+
+    @classmethod
+    def of(cls, kv_cache: torch.Tensor, head_size: int) -> "LazyPageLayout":
+        """The layout of `kv_cache`, refused with one line when it is not this backend's."""
+        if not kv_cache.is_contiguous():
+            raise RuntimeError(f"LazyLlama on vLLM needs the LBHNC KV-cache layout; got strides {kv_cache.stride()} "
+                               "(unset VLLM_KV_CACHE_LAYOUT).")
+        if kv_cache.shape[-1] != 2 * head_size:
+            raise ValueError(f"LazyLlama on vLLM needs value heads of the key head size {head_size}; this cache holds "
+                             f"values of {kv_cache.shape[-1] - head_size} (Lazy Attention is defined for Llama's "
+                             "equal head sizes).")
+        return cls(kv_cache.shape[1], kv_cache.shape[2], head_size)
+
+    def views(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(K, V)`: views `[num_blocks, Hkv, block_size, D]` of the pages (the Triton path and the native ops)."""
+        pages = kv_cache.view(-1, self.num_kv_heads, 2 * self.block_size, self.head_size)
+        return pages[:, :, : self.block_size], pages[:, :, self.block_size:]
+
+    def rows(self, kv_cache: torch.Tensor) -> torch.Tensor:
+        """The cache as rows of D values (keys and values alike): what `key_rows` indexes."""
+        return kv_cache.view(-1, self.head_size)
+
+    def key_rows(self, blocks: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        """`[..., Hkv]` int64 rows of `rows()` holding the keys at `offsets` inside `blocks` (same shapes), one per
+        KV head; the values are `block_size` rows later."""
+        heads = torch.arange(self.num_kv_heads, device=blocks.device)
+        page = blocks.long()[..., None] * self.num_kv_heads + heads
+        return page * (2 * self.block_size) + offsets.long()[..., None]
+
+    def slot_rows(self, slots: torch.Tensor) -> torch.Tensor:
+        """`[T, Hkv]` key rows of vLLM's cache slots (`slot = block * block_size + offset`)."""
+        return self.key_rows(slots // self.block_size, slots % self.block_size)
+
+
 class LazyAttentionMetadataBuilder(AttentionMetadataBuilder[LazyServingMetadata]):
     """Turns vLLM's per-step batch description into `LazyGroup`s (positions, cache pages), or, for the Triton
     path, into a `LazyPagedStep`."""
@@ -134,7 +183,7 @@ class LazyAttentionMetadataBuilder(AttentionMetadataBuilder[LazyServingMetadata]
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         self.block_size = kv_cache_spec.block_size
-        self.num_kv_heads = kv_cache_spec.num_kv_heads
+        self.layout = LazyPageLayout(kv_cache_spec.num_kv_heads, kv_cache_spec.block_size, kv_cache_spec.head_size)
 
     def _group(self, requests: list[int], starts: list[int], seq_lens: list[int], block_table: torch.Tensor,
                query_length: int) -> LazyGroup:
@@ -143,12 +192,11 @@ class LazyAttentionMetadataBuilder(AttentionMetadataBuilder[LazyServingMetadata]
         key_length = int(lengths.max())
         num_blocks = -(-key_length // self.block_size)
         table = block_table[requests, :num_blocks].long()
-        heads = torch.arange(self.num_kv_heads)
         # token rows: a shorter request's padding keys repeat its last key (finite; the metadata hides them)
         token = torch.minimum(torch.arange(key_length), lengths[:, None] - 1)  # [B, Tk]
-        token_page = torch.gather(table, 1, token // self.block_size)[:, None, :] * self.num_kv_heads
-        key_rows = (token_page + heads[None, :, None]) * (2 * self.block_size) + (token % self.block_size)[:, None]
-        kv_rows = torch.cat([key_rows.view(-1), key_rows.view(-1) + self.block_size])  # a value: block_size rows on
+        blocks = torch.gather(table, 1, token // self.block_size)
+        key_rows = self.layout.key_rows(blocks, token % self.block_size).transpose(1, 2)  # [B, Hkv, Tk]
+        kv_rows = torch.cat([key_rows.reshape(-1), key_rows.reshape(-1) + self.block_size])
         # query i of a request with c cached tokens has position c + i; key j position j; padding keys are hidden
         metadata = LazyMetadata.from_seq_lens(lengths, query_length=query_length, key_length=key_length)
         first = [starts[r] for r in requests]
@@ -221,20 +269,18 @@ class LazyAttentionImpl(AttentionImpl[LazyServingMetadata]):
         count = slot_mapping.shape[0]
         slots = slot_mapping.long()
         key, value = key[:count], value[:count]
+        layout = LazyPageLayout.of(kv_cache, self.head_size)
         if cache_write_supported(key, value, kv_cache):  # one native call, no index tensors
-            lazy_cache_write(key, value, slots, *_page_views(kv_cache, self.head_size))
+            lazy_cache_write(key, value, slots, *layout.views(kv_cache))
             return
         valid = slots >= 0  # padded tokens carry -1
         if not bool(valid.all()):
             slots, key, value = slots[valid], key[valid], value[valid]
-        block_size = kv_cache.shape[2]
-        heads = torch.arange(kv_cache.shape[1], device=slots.device)
-        page = (slots // block_size)[:, None] * kv_cache.shape[1] + heads  # [T, Hkv]
-        offset = (slots % block_size)[:, None]
-        keys, values = _split_pages(kv_cache, self.head_size)
+        key_rows = layout.slot_rows(slots).reshape(-1)  # [T * Hkv], in key's [T, Hkv] order
+        rows = layout.rows(kv_cache)
         with _one_thread(key.numel() + value.numel() <= _ONE_THREAD_MAX_ELEMENTS):
-            keys.view(keys.shape[0], block_size, -1)[page, offset] = key.to(kv_cache.dtype)
-            values.view(values.shape[0], block_size, -1)[page, offset] = value.to(kv_cache.dtype)
+            rows[key_rows] = key.reshape(-1, self.head_size).to(kv_cache.dtype)
+            rows[key_rows + layout.block_size] = value.reshape(-1, self.head_size).to(kv_cache.dtype)
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,
                 output_block_scale=None) -> torch.Tensor:
@@ -246,15 +292,15 @@ class LazyAttentionImpl(AttentionImpl[LazyServingMetadata]):
         step = attn_metadata.paged
         if step is not None:
             count = attn_metadata.num_actual_tokens
+            keys, values = LazyPageLayout.of(kv_cache, self.head_size).views(kv_cache)
             out = lazy_attention_paged(
-                query[:count], *_page_views(kv_cache, self.head_size), step.block_table, step.query_start_loc,
+                query[:count], keys, values, step.block_table, step.query_start_loc,
                 step.seq_lens, self.tau, self.distance_bias, self.scale, max_query_len=step.max_query_len,
                 max_seq_len=step.max_seq_len, num_decodes=step.num_decodes)
             output[:count] = out.to(output.dtype)
             return output
         kv_heads = kv_cache.shape[1]
-        _split_pages(kv_cache, self.head_size)  # the layout and head-size checks
-        rows = kv_cache.view(-1, self.head_size)  # K and V rows of one width (checked above): one gather of rows
+        rows = LazyPageLayout.of(kv_cache, self.head_size).rows(kv_cache)  # K and V rows: one gather of rows
         native = decode_supported(query, kv_cache, kv_cache)
         for group in attn_metadata.groups:
             if native and group.query_length == 1 and isinstance(group.token_index, slice):
@@ -283,37 +329,10 @@ class LazyAttentionImpl(AttentionImpl[LazyServingMetadata]):
         # one parallel region per layer (not a dozen ops): worth the caller's threads once there are enough tasks
         small = group.batch * kv_heads < 8 or group.batch * self.num_heads * group.metadata.key_length < (1 << 14)
         with _one_thread(small):
+            keys, values = LazyPageLayout.of(kv_cache, self.head_size).views(kv_cache)
             output[group.token_index] = lazy_decode_cpu(
-                query[group.token_index], *_page_views(kv_cache, self.head_size), self.tau, self.distance_bias,
-                self.scale, seq_lens=group.seq_lens, block_table=group.block_table)
-
-
-def _split_pages(kv_cache: torch.Tensor, head_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """`(keys [P, block_size * D], values [P, block_size * Dv])`: row `block * Hkv + head` is one page.
-
-    This backend alone reads and writes its cache, so it stores each (block, head) page of
-    `block_size * (D + Dv)` values as all the page's keys followed by all its values: gathered pages are
-    then contiguous K and V matrices. Needs the LBHNC layout (one layer's cache is contiguous).
-    """
-    if not kv_cache.is_contiguous():
-        raise RuntimeError(f"LazyLlama on vLLM needs the LBHNC KV-cache layout; got strides {kv_cache.stride()} "
-                           "(unset VLLM_KV_CACHE_LAYOUT).")
-    if kv_cache.shape[-1] != 2 * head_size:
-        raise ValueError(f"LazyLlama on vLLM needs value heads of the key head size {head_size}; this cache holds "
-                         f"values of {kv_cache.shape[-1] - head_size} (Lazy Attention is defined for Llama's equal "
-                         "head sizes).")
-    num_blocks, kv_heads, block_size, width = kv_cache.shape
-    pages = kv_cache.view(num_blocks * kv_heads, block_size * width)
-    return pages[:, : block_size * head_size], pages[:, block_size * head_size:]
-
-
-def _page_views(kv_cache: torch.Tensor, head_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The same pages as `_split_pages`, as `(K, V)` views `[num_blocks, Hkv, block_size, D]` (the Triton path
-    and the native CPU ops)."""
-    _split_pages(kv_cache, head_size)  # the layout and head-size checks
-    num_blocks, kv_heads, block_size, width = kv_cache.shape
-    pages = kv_cache.view(num_blocks, kv_heads, 2 * block_size, head_size)
-    return pages[:, :, :block_size], pages[:, :, block_size:]
+                query[group.token_index], keys, values, self.tau, self.distance_bias, self.scale,
+                seq_lens=group.seq_lens, block_table=group.block_table)
 
 
 class LazyAttentionBackend(AttentionBackend):

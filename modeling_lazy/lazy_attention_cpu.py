@@ -82,7 +82,7 @@ def _require_cpu(op: str, **tensors) -> None:
 
 
 def lazy_decode_cpu(query, key, value, tau, distance_bias, scaling, *, seq_len=0, seq_lens=None, block_table=None,
-                    positions=None) -> torch.Tensor:
+                    positions=None, key_starts=None) -> torch.Tensor:
     """One decode row per sequence: `out [B, Hq, Dv]` (the query dtype) = LazyAttention(query `[B, Hq, D]`,
     keys 0 .. n - 1).
 
@@ -91,7 +91,9 @@ def lazy_decode_cpu(query, key, value, tau, distance_bias, scaling, *, seq_len=0
     row `t % block_size` of block `block_table[b, t // block_size]`, and sequence b has `seq_lens[b]` keys (int32
     `[B]`). Any strides with a unit last stride; query, key and value in one dtype of `DTYPES`. The query of a
     sequence with n keys sits at position n - 1 unless `positions [B]` (int64) says otherwise (`n = position + 1`
-    divides tau; the distances stay `n_keys - 1 - t`). `tau [Hq]`, `distance_bias [Hq, W]` (any float dtype).
+    divides tau; the distances stay `n_keys - 1 - t`). `key_starts [B]` (int32) skips each sequence's first keys (a
+    left-padded batch): sequence b then sees keys `key_starts[b] .. n - 1`, as if they were all its keys (its
+    default position is `n - key_starts[b] - 1`). `tau [Hq]`, `distance_bias [Hq, W]` (any float dtype).
     """
     if not query.device.type == key.device.type == value.device.type == "cpu":
         _require_cpu("lazy_decode_cpu", query=query, key=key, value=value)
@@ -99,8 +101,10 @@ def lazy_decode_cpu(query, key, value, tau, distance_bias, scaling, *, seq_len=0
         query = query.contiguous()
     if positions is not None and (positions.dtype != torch.int64 or not positions.is_contiguous()):
         positions = positions.to(torch.int64).contiguous()
+    if key_starts is not None and (key_starts.dtype != torch.int32 or not key_starts.is_contiguous()):
+        key_starts = key_starts.to(torch.int32).contiguous()
     return torch.ops.lazy_llama.cpu_decode(query, key, value, _float32(tau), _float32(distance_bias), float(scaling),
-                                           int(seq_len), seq_lens, block_table, positions)
+                                           int(seq_len), seq_lens, block_table, positions, key_starts)
 
 
 def lazy_elastic_rows(scores, i0, tau, distance_bias, q_pos, row0) -> torch.Tensor:
@@ -124,7 +128,8 @@ def lazy_cache_write(key, value, slots, key_cache, value_cache) -> None:
 def _register_fakes() -> None:
     """Shapes for fake (meta) tensors, so that tracing and `torch.compile` see through the ops."""
 
-    def decode(query, key, value, tau, distance_bias, scale, seq_len, seq_lens, block_table, positions):
+    def decode(query, key, value, tau, distance_bias, scale, seq_len, seq_lens, block_table, positions,
+               key_starts=None):
         if not query.device == key.device == value.device:
             raise RuntimeError(f"lazy_llama::cpu_decode: query, key and value are on different devices "
                                f"({query.device}, {key.device}, {value.device})")

@@ -32,7 +32,7 @@ import torch
 
 from .lazy_attention_cpu import decode_supported
 from .lazy_attention_reference import DECODE_MAX_ROWS, LazyMetadata, _is_causal_layout, environment_setting
-from .lazy_attention_torch import softmax_only, torch_backward, torch_forward
+from .lazy_attention_torch import left_padding, softmax_only, torch_backward, torch_forward
 
 try:
     from .lazy_attention_triton import (
@@ -91,15 +91,16 @@ def uses_triton(device: torch.device, dtype: torch.dtype = torch.float32, backen
 
 def choose_kernel(device: torch.device, dtype: torch.dtype, query_rows: int, batch: int, causal: bool,
                   static_buffer: bool, needs_grad: bool, *, backend: str | None = None, softmax_only: bool = False,
-                  native_layout: bool = False) -> str:
+                  native_layout: bool = False, left_padded: bool = False) -> str:
     """The kernel for one attention call: the whole routing of LazyLlama in one table, read top to bottom.
 
     Args: the query's device and dtype, query rows `Tq`, batch `B`, the metadata's layout (`causal`;
     `static_buffer`: a static cache's whole buffer under torch.compile), whether a backward follows (`needs_grad`),
-    `backend` (None: `LAZY_LLAMA_BACKEND`), and two facts only real tensors give (asked inside the PyTorch op;
+    `backend` (None: `LAZY_LLAMA_BACKEND`), and three facts only real tensors give (asked inside the PyTorch op;
     False at trace time): `softmax_only` (tau and the distance bias all zero, and SDPA's causal mask aligned: one
     query row or no cached keys) and `native_layout` (key and value in the query's dtype with contiguous channels,
-    the native op's layout: `lazy_attention_cpu.decode_supported`, which also says whether the op is installed).
+    the native op's layout: `lazy_attention_cpu.decode_supported`, which also says whether the op is installed) and
+    `left_padded` (one row per sequence after left padding: `lazy_attention_torch.left_padding`).
 
         Triton (uses_triton: LAZY_LLAMA_BACKEND, device, dtype); a static buffer only for one query row
           causal, training or Tq > 16                     triton_causal  (the causal fast path; training stores U
@@ -110,7 +111,8 @@ def choose_kernel(device: torch.device, dtype: torch.dtype, query_rows: int, bat
         PyTorch (lazy_llama::attention)
           training                                        torch_train    (chunked forward, recomputing backward)
           tau = 0 and zero bias, causal, float32/64       torch_sdpa     (scaled_dot_product_attention)
-          Tq = 1, causal, native op takes the tensors     cpu_decode     (the native decode op)
+          Tq = 1, causal or left-padded, native op        cpu_decode     (the native decode op; a left-padded
+            takes the tensors                                             row starts at its first real key)
           Tq = 1, B = 1, causal                           torch_one_row  (five ops)
           Tq <= 16                                        torch_decode   (one pass, any layout)
           otherwise                                       torch_prefill  (chunked, inference)
@@ -124,7 +126,8 @@ def choose_kernel(device: torch.device, dtype: torch.dtype, query_rows: int, bat
     plain_row = query_rows == 1 and causal and not static_buffer
     if softmax_only and causal and not static_buffer and dtype in (torch.float32, torch.float64):
         return "torch_sdpa"
-    if plain_row and device.type == "cpu" and native_layout and not torch.compiler.is_compiling():
+    if ((plain_row or (query_rows == 1 and left_padded)) and device.type == "cpu" and native_layout
+            and not torch.compiler.is_compiling()):
         return "cpu_decode"
     if plain_row and batch == 1:
         return "torch_one_row"
@@ -158,14 +161,17 @@ def _torch_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
                      training: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """`(out [B, Tq, Hq, D] query dtype, lse [B, Hq, Tq] of the general layout when training, else [0])`."""
     metadata = _concrete_metadata(q_pos, k_pos, q_seg, k_seg, key_offset, causal, training)
+    key_starts = None
     if training:
         kernel = "torch_train"
     else:
         native = decode_supported(query, key, value)
+        if native and query.shape[2] == 1 and not metadata.causal:
+            key_starts = left_padding(metadata)
         kernel = choose_kernel(query.device, query.dtype, query.shape[2], query.shape[0], metadata.causal, False, False,
                                backend="torch", softmax_only=softmax_only(query, tau, distance_bias, metadata),
-                               native_layout=native)
-    out, lse = torch_forward(kernel, query, key, value, tau, distance_bias, metadata, scaling)
+                               native_layout=native, left_padded=key_starts is not None)
+    out, lse = torch_forward(kernel, query, key, value, tau, distance_bias, metadata, scaling, key_starts=key_starts)
     # contiguous, as the fake implementation says (the decode kernels give a transposed view)
     return out.contiguous(), query.new_empty(0, dtype=torch.float32) if lse is None else lse
 

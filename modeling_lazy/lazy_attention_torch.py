@@ -323,6 +323,47 @@ def _general_backward(q, k, v, tau, distance_bias, metadata: LazyMetadata, lse, 
         d_bias.index_add_(1, bucket.reshape(-1), flat)
 
 
+def _document_runs(metadata: LazyMetadata) -> tuple[list[tuple[int, int, int]], bool] | None:
+    """`(spans, padded)` when every query sees exactly the keys of its own document so far, documents being runs of
+    tokens `(row b, start s, end e)` at positions `0 .. e - s - 1` with no cache: packed documents (restarting
+    positions or `cu_seq_lens`), right- or left-padded batches, or both. Each span is then a causal layout of its
+    own and runs the causal path on its slice (`padded`: some tokens belong to no span; their output is 0). None
+    for any other layout. Computed once per forward (the model's metadata tensors are shared by every layer)."""
+    if metadata.causal or metadata.static_buffer or metadata.key_offset != 0:
+        return None
+
+    def build():
+        k_seg, q_seg = metadata.k_seg.long(), metadata.q_seg.long()
+        k_pos, q_pos = metadata.k_pos, metadata.q_pos.expand_as(metadata.k_pos)
+        valid = k_seg >= 0
+        if q_seg.shape != k_seg.shape or not torch.equal(q_seg, torch.where(valid, k_seg, -2)):
+            return None
+        if not torch.equal(torch.where(valid, q_pos, 0), torch.where(valid, k_pos, 0)):
+            return None
+        index = torch.arange(k_seg.shape[1], device=k_seg.device).expand_as(k_seg)
+        before = F.pad(k_seg[:, :-1], (1, 0), value=-3)
+        after = F.pad(k_seg[:, 1:], (0, 1), value=-3)
+        first = valid & (k_seg != before)
+        run_start = torch.where(first, index, 0).cummax(-1).values
+        if not torch.equal(torch.where(valid, k_pos, 0), torch.where(valid, index - run_start, 0)):
+            return None  # positions must restart at 0 in each run (Elastic-Softmax's n_i)
+        starts, ends = first.nonzero().tolist(), (valid & (k_seg != after)).nonzero().tolist()
+        spans = [(b, s, e + 1) for (b, s), (_, e) in zip(starts, ends)]
+        seen = [(b, int(k_seg[b, s])) for b, s, _ in spans]
+        if len(set(seen)) != len(seen):
+            return None  # a document split by padding: its later tokens see its earlier ones across the gap
+        return spans, not bool(valid.all())
+
+    return _parameter_fact(metadata.k_seg, ("documents", id(metadata.q_pos), id(metadata.k_pos)), build)
+
+
+def _span_metadata(metadata: LazyMetadata, b: int, s: int, e: int) -> LazyMetadata:
+    """The causal layout of one span of `_document_runs`."""
+    pos = metadata.k_pos[b:b + 1, s:e]
+    seg = metadata.k_seg[b:b + 1, s:e]
+    return LazyMetadata.from_tensors(pos, pos, seg, seg, key_offset=0, causal=True, positions32=(pos, pos))
+
+
 def _scaled_inputs(query, key, value, metadata: LazyMetadata, scaling):
     """`(q [B, Hkv, G, Tq, D] scaled, k, v [B, Hkv, Tk, D])` in the compute dtype; keys cut to the metadata."""
     bsz, num_heads, q_len, dim = query.shape
@@ -341,6 +382,16 @@ def _lazy_forward(query, key, value, tau, distance_bias, metadata: LazyMetadata,
     if metadata.causal:
         _causal_forward(q, k, v, tau, distance_bias, metadata, out, inference)
         return out, None
+    runs = _document_runs(metadata)
+    if runs is not None:  # documents and padding: the causal path per document, nothing spent across them
+        spans, padded = runs
+        if padded:
+            out.zero_()
+        for b, s, e in spans:
+            _causal_forward(q[b:b + 1, :, :, s:e], k[b:b + 1, :, s:e], v[b:b + 1, :, s:e], tau, distance_bias,
+                            _span_metadata(metadata, b, s, e), out[b:b + 1, s:e], inference)
+        # the general layout's lse shape (what the operator's fake promises); the backward takes the same spans
+        return out, torch.zeros(bsz, num_heads, q_len, dtype=q.dtype, device=q.device)
     return out, _general_forward(q, k, v, tau, distance_bias, metadata, out)
 
 
@@ -358,8 +409,18 @@ def torch_backward(grad_out, query, key, value, tau, distance_bias, metadata: La
         torch.zeros(kv_heads * groups, dtype=q.dtype, device=q.device),  # d tau
         torch.zeros(kv_heads * groups, window + 1, dtype=q.dtype, device=q.device),  # d bias; last: outside W
     )
+    runs = None if lse is None else _document_runs(metadata)
     if lse is None:
         _causal_backward(q, k, v, tau, distance_bias, metadata, d_out, grads)
+    elif runs is not None:  # as the forward: the causal path per document
+        spans, padded = runs
+        if padded:
+            grads[0].zero_()
+        for b, s, e in spans:
+            span_grads = (grads[0][b:b + 1, :, :, s:e], grads[1][b:b + 1, :, s:e], grads[2][b:b + 1, :, s:e],
+                          *grads[3:])
+            _causal_backward(q[b:b + 1, :, :, s:e], k[b:b + 1, :, s:e], v[b:b + 1, :, s:e], tau, distance_bias,
+                             _span_metadata(metadata, b, s, e), d_out[b:b + 1, :, :, s:e], span_grads)
     else:
         _general_backward(q, k, v, tau, distance_bias, metadata, lse, d_out, grads)
     dq, dk, dv, d_tau, d_bias = grads
@@ -472,15 +533,40 @@ def _one_row_decode(query, key, value, tau, distance_bias, metadata: LazyMetadat
     return _as(out.view(1, 1, num_heads, dim), query.dtype)
 
 
-def _kernel_decode(query, key, value, tau, distance_bias, metadata: LazyMetadata, scaling) -> torch.Tensor:
-    """One row per sequence in the causal layout: the native CPU op (`lazy_attention_cpu`, float32, bfloat16 or
-    float16), which reads each key once and only the value rows some head of a GQA group weights.
-    `out [B, 1, Hq, Dv]` in the query dtype."""
+def _kernel_decode(query, key, value, tau, distance_bias, metadata: LazyMetadata, scaling,
+                   key_starts=None) -> torch.Tensor:
+    """One row per sequence in the causal layout, or left-padded (`key_starts` from `left_padding`): the native CPU op
+    (`lazy_attention_cpu`, float32, bfloat16 or float16), which reads each key once and only the value rows some
+    head of a GQA group weights. `out [B, 1, Hq, Dv]` in the query dtype."""
     bsz, num_heads = query.shape[:2]
     positions = metadata.q_pos.expand(bsz, 1).reshape(bsz)  # a row shared by the batch is expanded
     out = lazy_decode_cpu(query.select(2, 0), key, value, tau, distance_bias, scaling, seq_len=metadata.key_length,
-                          positions=positions)
+                          positions=positions, key_starts=key_starts)
     return out.view(bsz, 1, num_heads, value.shape[-1])
+
+
+def left_padding(metadata: LazyMetadata) -> torch.Tensor | None:
+    """`key_starts [B]` int32 when one query row per sequence sees exactly its keys `key_starts[b] .. Tk - 1` at the
+    positions of those keys alone (`0 .. Tk - 1 - key_starts[b]`, the query last): a left-padded batch, as batched
+    `generate()` gives it. None for any other layout. Computed once per forward (the model's metadata tensors are
+    shared by every layer)."""
+    if metadata.q_pos.shape[1] != 1 or metadata.static_buffer:
+        return None
+
+    def build():
+        k_len = metadata.key_length
+        q_pos, k_pos, k_seg = metadata.q_pos[:, 0], metadata.k_pos, metadata.k_seg
+        starts = k_len - 1 - q_pos  # where the query's own document starts, if it is all of the row's real keys
+        if bool((starts < 0).any()) or bool((metadata.q_seg != 0).any()):
+            return None
+        index = torch.arange(k_len, device=k_pos.device)
+        real = index >= starts[:, None]
+        if not (torch.equal(k_seg >= 0, real) and bool((k_seg <= 0).all())
+                and torch.equal(torch.where(real, k_pos, 0), torch.where(real, index - starts[:, None], 0))):
+            return None
+        return starts.to(torch.int32).contiguous()
+
+    return _parameter_fact(metadata.k_seg, ("left_padding", id(metadata.q_pos), id(metadata.k_pos)), build)
 
 
 def _decode_scores(query, key, distance_bias, metadata: LazyMetadata, scaling, dtype) -> torch.Tensor:
@@ -590,7 +676,8 @@ def softmax_only(query, tau, distance_bias, metadata: LazyMetadata) -> bool:
     return (query.shape[2] == 1 or metadata.key_offset == 0) and _all_zero(tau) and _all_zero(distance_bias)
 
 
-def torch_forward(kernel: str, query, key, value, tau, distance_bias, metadata: LazyMetadata, scaling):
+def torch_forward(kernel: str, query, key, value, tau, distance_bias, metadata: LazyMetadata, scaling,
+                  key_starts=None):
     """`(out [B, Tq, Hq, D] in the query dtype, lse or None)` of the PyTorch kernel `choose_kernel` named
     (`lazy_attention_ops`): `lse` is what `torch_backward` needs after `torch_train` (None in the causal layout)."""
     if kernel == "torch_train":
@@ -602,7 +689,7 @@ def torch_forward(kernel: str, query, key, value, tau, distance_bias, metadata: 
             query, key[:, :, :k_len], value[:, :, :k_len], is_causal=query.shape[2] > 1, scale=scaling,
             enable_gqa=key.shape[1] != query.shape[1]).transpose(1, 2)
     elif kernel == "cpu_decode":
-        out = _kernel_decode(query, key, value, tau, distance_bias, metadata, scaling)
+        out = _kernel_decode(query, key, value, tau, distance_bias, metadata, scaling, key_starts)
     elif kernel == "torch_one_row":
         out = _one_row_decode(query, key, value, tau, distance_bias, metadata, scaling)
     elif kernel == "torch_decode":

@@ -186,3 +186,71 @@ def test_metadata_from_seq_lens_is_what_a_serving_engine_holds(rng_seed):
         ref.LazyMetadata.from_seq_lens(torch.tensor([6, 5]), query_length=2)
     with pytest.raises(ValueError, match="needs >= query_length"):
         ref.LazyMetadata.from_seq_lens(torch.tensor([1, 5]), query_length=2)
+
+
+DOCUMENT_LAYOUTS = {  # (batch, length, how the metadata is built) for the per-document path
+    "packed-mixed-lengths": (1, 96, "packed"),  # documents of 1, 40 (> window), 3, 1, ... tokens
+    "right-padded-batch": (3, 60, "right"),
+    "left-padded-batch": (3, 60, "left"),
+    "packed-and-padded": (2, 96, "packed+right"),
+}
+
+
+def _document_metadata(kind, bsz, length):
+    """`(metadata, mask, positions)` of the layout: documents from restarting positions, padding from the mask."""
+    if kind.startswith("packed"):
+        docs = [1, 40, 3, 1, 19, 2]
+        positions = torch.cat([torch.arange(n) for n in docs])
+        positions = torch.cat([positions, torch.arange(length - len(positions))])[None].expand(bsz, length)
+        mask = torch.ones(bsz, length, dtype=torch.long)
+        if kind.endswith("right"):
+            mask[1, 50:] = 0
+        return ref.LazyMetadata.from_mask(mask, positions, query_length=length), mask, positions
+    lengths = [length, 37, 1]
+    mask = torch.zeros(bsz, length, dtype=torch.long)
+    for b, n in enumerate(lengths):
+        if kind.startswith("right"):
+            mask[b, :n] = 1
+        else:
+            mask[b, length - n:] = 1
+    return ref.LazyMetadata.from_mask(mask, query_length=length), mask, None
+
+
+@pytest.mark.parametrize("tau_kind", ["negative", "mixed"])
+@pytest.mark.parametrize("layout", list(DOCUMENT_LAYOUTS))
+def test_documents_and_padding_take_the_causal_path_per_document(layout, tau_kind, rng_seed, monkeypatch):
+    """Packed documents (restarting positions) and padded batches run the causal path on each document's slice
+    (never the general chunks): output and all five gradients against the float64 oracle, padded rows exactly 0."""
+    from reference64 import lazy_attention64, token_layout
+
+    def general(*args):
+        raise AssertionError("the general path ran")
+
+    monkeypatch.setattr(ops, "_general_forward", general)
+    monkeypatch.setattr(ops, "_general_backward", general)
+    monkeypatch.setattr(ops, "_CHUNK_ELEMENTS", 1 << 12)
+    bsz, length, kind = DOCUMENT_LAYOUTS[layout]
+    meta, mask, positions = _document_metadata(kind, bsz, length)
+    assert not meta.causal and ops._document_runs(meta) is not None
+    heads = 4
+    tau_value = -1.0 if tau_kind == "negative" else [-1.5, 0.7, 0.0, -0.3]
+    q, k, v, tau, bias = _inputs(bsz, heads, 2, length, 0, 8, 24, tau_value)
+    out = ops.lazy_attention_torch(q, k, v, tau, bias, meta, 8**-0.5)
+    grad = torch.randn_like(out)
+    got = torch.autograd.grad(out, (q, k, v, tau, bias), grad)
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v, tau, bias)]
+    want, _ = lazy_attention64(*leaves, *token_layout(mask, positions, bsz, length), 8**-0.5)
+    want = want.transpose(1, 2)
+    wanted = torch.autograd.grad(want, leaves, grad.double())
+    torch.testing.assert_close(out.double(), want, atol=2e-5, rtol=1e-4, msg=lambda m: f"seed {rng_seed}: {m}")
+    padding = meta.q_seg < 0
+    assert torch.equal(out[padding], torch.zeros_like(out[padding]))
+    for name, a, b in zip("q k v tau bias".split(), got, wanted):
+        torch.testing.assert_close(a.double(), b, atol=1e-4, rtol=1e-3, msg=lambda m: f"d{name}, seed {rng_seed}: {m}")
+
+
+def test_a_document_split_by_padding_keeps_the_general_path():
+    """A mask with a hole inside one document: its later tokens see its earlier ones across the gap, which no
+    per-document slice expresses; the general path runs."""
+    meta = ref.LazyMetadata.from_mask(torch.tensor([[1, 1, 0, 1, 1, 1]]), query_length=6)
+    assert ops._document_runs(meta) is None

@@ -506,3 +506,30 @@ def test_kernel_tests_pass_under_address_and_undefined_behaviour_sanitizers(tmp_
                           text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     assert " passed" in done.stdout and "runtime error" not in done.stderr, done.stdout[-2000:] + done.stderr[-2000:]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("shape", ["gqa3-d64", "mha-d12"])
+def test_left_padded_rows_start_at_their_first_key(shape, dtype, isa, rng_seed):
+    """`key_starts` (a left-padded batch): sequence b sees keys `key_starts[b] .. n - 1` as if they were all its keys;
+    the padding rows before them are never read (NaN there changes nothing). Against float64 of the real keys."""
+    heads, kv_heads, dim, dim_v = SHAPES[shape]
+    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
+    bsz, keys = 3, 90
+    starts = torch.tensor([0, 17, 89], dtype=torch.int32)  # no padding, some, all but one key
+    q = (torch.randn(bsz, heads, dim) * 2).to(torch_dtype)
+    k = torch.randn(bsz, kv_heads, keys, dim).to(torch_dtype)
+    v = torch.randn(bsz, kv_heads, keys, dim_v).to(torch_dtype)
+    for b, s in enumerate(starts.tolist()):
+        k[b, :, :s], v[b, :, :s] = float("nan"), float("nan")
+    tau, bias = TAUS["mixed"](heads) - 0.5, torch.randn(heads, 40)
+    positions = keys - 1 - starts.long()
+    out = cpu.lazy_decode_cpu(q, k, v, tau, bias, dim**-0.5, seq_len=keys, positions=positions, key_starts=starts)
+    real = [slice(s, keys) for s in starts.tolist()]
+    want = decode64(q, [k[b, :, real[b]] for b in range(bsz)], [v[b, :, real[b]] for b in range(bsz)], tau, bias,
+                    positions, dim**-0.5)
+    tolerance = 1e-5 if torch_dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(out.double(), want, atol=tolerance, rtol=tolerance,
+                               msg=lambda m: f"seed {rng_seed}: {m}")
+    with pytest.raises(RuntimeError, match="key_starts\\[0\\] = 91 is outside the sequence's 90 keys"):
+        cpu.lazy_decode_cpu(q, k, v, tau, bias, dim**-0.5, seq_len=keys, key_starts=torch.tensor([91, 0, 0]))

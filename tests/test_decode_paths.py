@@ -264,3 +264,45 @@ def test_cached_bias_facts_follow_in_place_updates_and_longer_caches(rng_seed):
                 bias.mul_(1.5).add_(0.25)  # in place: same tensor, new values (-inf stays -inf)
                 if update == 0:
                     bias[1, :3] = float("-inf")  # -inf appears: rows that see only these distances give 0
+
+
+def test_left_padded_batched_generate_decodes_with_the_native_op(monkeypatch, rng_seed):
+    """Batched `generate()` with left padding: every decode step of every layer runs the native op with per-row key
+    starts, and each row generates what its prompt generates alone (Elastic-Softmax's n_i follows the positions)."""
+    from tests.conftest import tiny_model
+
+    _use("c-kernel", monkeypatch)
+    seen = []
+    taken = ops._kernel_decode
+    monkeypatch.setattr(ops, "_kernel_decode", lambda *args: seen.append(args[-1]) or taken(*args))
+    model = tiny_model(seed=rng_seed, attn_implementation="lazy")
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.tau.normal_(-0.5, 0.5)
+        prompts = [torch.randint(3, 97, (n,)) for n in (9, 4, 7)]
+        ids = torch.zeros(3, 9, dtype=torch.long)
+        mask = torch.zeros(3, 9, dtype=torch.long)
+        for b, p in enumerate(prompts):
+            ids[b, 9 - len(p):], mask[b, 9 - len(p):] = p, 1
+        batched = model.generate(ids, attention_mask=mask, max_new_tokens=5, min_new_tokens=5, do_sample=False)
+        assert len(seen) == 4 * model.config.num_hidden_layers, len(seen)
+        assert all(s is not None and s.tolist() == [0, 5, 2] for s in seen), seen[0]
+        monkeypatch.setenv("LAZY_LLAMA_CPU_KERNEL", "0")
+        for b, p in enumerate(prompts):
+            alone = model.generate(p[None], attention_mask=torch.ones(1, len(p), dtype=torch.long), max_new_tokens=5,
+                                   min_new_tokens=5, do_sample=False)
+            assert torch.equal(batched[b, 9:], alone[0, len(p):]), f"row {b}, seed {rng_seed}"
+
+
+def test_left_padding_is_recognised_only_where_it_holds():
+    """`left_padding` gives per-row key starts only when each row's real keys are one run at the end, at the positions
+    they would have alone; a hole in the mask, explicit shifted positions or several query rows give None."""
+    mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
+    meta = ref.LazyMetadata.from_mask(mask, query_length=1, past_length=4)
+    assert ops.left_padding(meta).tolist() == [2, 0]
+    hole = ref.LazyMetadata.from_mask(torch.tensor([[1, 0, 1, 1, 1]]), query_length=1, past_length=4)
+    assert ops.left_padding(hole) is None
+    shifted = ref.LazyMetadata.from_mask(mask, torch.tensor([[7], [4]]), query_length=1, past_length=4)
+    assert ops.left_padding(shifted) is None
+    rows = ref.LazyMetadata.from_mask(mask, query_length=2, past_length=3)
+    assert ops.left_padding(rows) is None
