@@ -26,6 +26,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
+#include <algorithm>
 #include <cstring>
 #include <limits>
 #include <memory>
@@ -146,6 +147,15 @@ struct DecodeScratch {
     }
 };
 
+// Split-K decode buffers: the scores of a whole task live here between the steps of lazy_attention_cpu_kernels.h.
+struct SplitArgs {
+    int64_t splits;
+    float *scores;   // [tasks, G, max_n]: biased scores, then exp(s - m_slice) in place, then the weights
+    float *stats;    // [tasks, splits, G, 2]: the slice's max m and sum z of exp(s - m)
+    float *partial;  // [tasks, splits, G, Dv]: the slice's share of the output
+    int64_t max_n;
+};
+
 struct RowsArgs {
     float *scores;  // [batch, heads, rows, keys] contiguous
     int64_t heads, rows, keys, i0, row0, window, q_pos_stride;
@@ -204,10 +214,24 @@ void check_float_table(const at::Tensor &t, const char *op, const char *name) {
                 " must be a contiguous float32 tensor; got ", t.scalar_type(), " with strides ", t.strides());
 }
 
+// Slices per task for split-K decoding: 1 (one task per item) unless there are too few tasks to keep every thread
+// busy, then the fewest slices of at least SPLIT_MIN_KEYS keys that give each thread the same number of items
+// (at least 4 per thread, so that uneven slices even out). 3 KV heads of one sequence on 2 threads: 4 slices each.
+constexpr int64_t SPLIT_MIN_KEYS = 512;
+
+int64_t decode_splits(int64_t tasks, int64_t longest, int64_t threads) {
+    if (threads <= 1 || tasks <= 0 || tasks >= 4 * threads || longest < 2 * SPLIT_MIN_KEYS) return 1;
+    const int64_t most = longest / SPLIT_MIN_KEYS;
+    for (int64_t splits = 2; splits <= most; splits++)
+        if (tasks * splits >= 4 * threads && (tasks * splits) % threads == 0) return splits;
+    return most;
+}
+
 at::Tensor cpu_decode(const at::Tensor &query, const at::Tensor &key, const at::Tensor &value, const at::Tensor &tau,
                       const at::Tensor &distance_bias, double scale, int64_t seq_len,
                       const std::optional<at::Tensor> &seq_lens, const std::optional<at::Tensor> &block_table,
-                      const std::optional<at::Tensor> &positions, const std::optional<at::Tensor> &key_starts) {
+                      const std::optional<at::Tensor> &positions, const std::optional<at::Tensor> &key_starts,
+                      int64_t num_splits) {
     const char *op = "cpu_decode";
     for (auto [t, name] : {std::pair{&query, "query"}, {&key, "key"}, {&value, "value"}}) {
         check_cpu(*t, op, name);
@@ -306,15 +330,47 @@ at::Tensor cpu_decode(const at::Tensor &query, const at::Tensor &key, const at::
     a.scale = static_cast<float>(scale);
     a.heads = heads, a.kv_heads = kv_heads, a.dim = dim, a.dim_v = dim_v;
 
-    auto task = use_avx2() ?
+    const int64_t tasks = batch * kv_heads;
+    int64_t longest = 0;
+    for (int64_t b = 0; b < batch; b++) longest = std::max(longest, a.keys(b) - a.first_key(b));
+    TORCH_CHECK(num_splits >= 0, "lazy_llama::cpu_decode: num_splits must be >= 0 (0: automatic); got ", num_splits);
+    const int64_t splits = num_splits > 0 ? std::min(num_splits, std::max<int64_t>(1, (longest + 7) / 8))
+                                          : decode_splits(tasks, longest, at::get_num_threads());
+    if (splits <= 1) {
+        auto task = use_avx2() ?
 #ifdef LAZY_HAVE_AVX2_VARIANT
-        &avx2::decode_task :
+            &avx2::decode_task :
 #endif
-        &scalar::decode_task;
-    at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
-        DecodeScratch scratch;
-        for (int64_t i = begin; i < end; i++) task(a, i, scratch);
-    });
+            &scalar::decode_task;
+        at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
+            DecodeScratch scratch;
+            for (int64_t i = begin; i < end; i++) task(a, i, scratch);
+        });
+        return out;
+    }
+    // split-K: every (task, slice) is a parallel item; the three steps are three parallel regions
+    const int64_t groups = heads / kv_heads;
+    at::Tensor scores = at::empty({tasks * groups * longest}, query.options().dtype(at::kFloat));
+    at::Tensor stats = at::empty({tasks * splits * groups * 2}, scores.options());
+    at::Tensor partial = at::empty({tasks * splits * groups * dim_v}, scores.options());
+    SplitArgs sp{splits, scores.data_ptr<float>(), stats.data_ptr<float>(), partial.data_ptr<float>(), longest};
+    const bool avx2 = use_avx2();
+    auto step1 = avx2 ?
+#ifdef LAZY_HAVE_AVX2_VARIANT
+        &avx2::decode_split_scores :
+#endif
+        &scalar::decode_split_scores;
+    auto step2 = avx2 ?
+#ifdef LAZY_HAVE_AVX2_VARIANT
+        &avx2::decode_split_values :
+#endif
+        &scalar::decode_split_values;
+    for (auto step : {step1, step2})
+        at::parallel_for(0, tasks * splits, 1, [&](int64_t begin, int64_t end) {
+            DecodeScratch scratch;
+            for (int64_t i = begin; i < end; i++) step(a, sp, i, scratch);
+        });
+    for (int64_t t = 0; t < tasks; t++) scalar::decode_split_sum(a, sp, t);
     return out;
 }
 
@@ -397,7 +453,8 @@ void cpu_cache_write_(const at::Tensor &key, const at::Tensor &value, const at::
 
 TORCH_LIBRARY_FRAGMENT(lazy_llama, m) {
     m.def("cpu_decode(Tensor query, Tensor key, Tensor value, Tensor tau, Tensor distance_bias, float scale, "
-          "int seq_len, Tensor? seq_lens, Tensor? block_table, Tensor? positions, Tensor? key_starts=None) -> Tensor");
+          "int seq_len, Tensor? seq_lens, Tensor? block_table, Tensor? positions, Tensor? key_starts=None, "
+          "int num_splits=0) -> Tensor");
     m.def("cpu_elastic_rows_(Tensor(a!) scores, int i0, Tensor tau, Tensor distance_bias, Tensor q_pos, "
           "int row0) -> ()");
     m.def("cpu_cache_write_(Tensor key, Tensor value, Tensor slots, Tensor(a!) key_cache, "

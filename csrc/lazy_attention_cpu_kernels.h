@@ -191,50 +191,42 @@ static inline void lazy_elastic_softmax(float *x, int64_t n, float shift) {
     }
 }
 
-// One (sequence b, key/value head h) task of the decode op: the G query heads of the group against the sequence's
-// keys first .. first + n - 1 (first: 0, or the row after its left padding); key t of them is at distance n - 1 - t.
-static void decode_task(const DecodeArgs &a, int64_t task, DecodeScratch &scratch) {
-    const int64_t groups = a.heads / a.kv_heads, dim = a.dim, dim_v = a.dim_v;
-    const int64_t b = task / a.kv_heads, h = task % a.kv_heads;
-    const int64_t first = a.first_key(b), n = a.keys(b) - first;
-    if (n <= 0) {
-        for (int64_t g = 0; g < groups; g++) a.store_out(b, h * groups + g, nullptr);
-        return;
-    }
-    a.check_blocks(b, first + n);
-    float *const s = scratch.floats(2 * groups * n + groups * dim_v + groups * dim + a.convert_floats(n));
-    float *const w = s + groups * n, *const acc = w + groups * n, *const q = acc + groups * dim_v;
-    float *const converted = q + groups * dim;  // key then value rows of a half-precision cache, as float32
-    const float **const rows = scratch.rows(n);
-    for (int64_t g = 0; g < groups; g++) a.load_query(b, h * groups + g, q + g * dim);
-    // 1. scores s_gt = scale * q_g . k_t, each key row read once for the G heads
-    int64_t t = 0;
+// Scores s[g * n + t] = scale * q_g . k_t of the G query heads `q` for keys t in [lo, hi) of the sequence's n keys
+// (key t is cache row first + t), plus the distance bias of keys at distance d = n - 1 - t < W. Each key row is read
+// once for the G heads; `converted` holds half-precision rows as float32 (indexed by t).
+static void decode_scores(const DecodeArgs &a, int64_t b, int64_t h, int64_t first, int64_t n, int64_t lo, int64_t hi,
+                          const float *q, float *s, float *converted) {
+    const int64_t groups = a.heads / a.kv_heads, dim = a.dim;
+    int64_t t = lo;
 #ifdef LAZY_AVX2
     if (dim % 8 == 0)
-        for (; t + 8 <= n; t += 8) {
+        for (; t + 8 <= hi; t += 8) {
             const float *k8[8];
             for (int j = 0; j < 8; j++) k8[j] = a.key_row(b, h, first + t + j, converted + (t + j) * dim);
             for (int64_t g = 0; g < groups; g++) lazy_dot8(q + g * dim, k8, dim, a.scale, s + g * n + t);
         }
 #endif
-    for (; t < n; t++) {
+    for (; t < hi; t++) {
         const float *kt = a.key_row(b, h, first + t, converted + t * dim);
         for (int64_t g = 0; g < groups; g++) s[g * n + t] = lazy_dot(q + g * dim, kt, dim) * a.scale;
     }
-    // 2. the distance bias on the last W keys, then a = max(0, softmax + tau / n) per head
-    const int64_t near = n < a.window ? n : a.window;  // keys at distance d = n - 1 - t < W carry the bias
-    const float inv_n = 1.0f / static_cast<float>(a.positions ? a.positions[b] + 1 : n);
+    const int64_t near_lo = n - 1 - (hi - 1), near_hi = (n - 1 - lo) + 1;  // distances of keys hi - 1 .. lo
+    const int64_t d_hi = near_hi < a.window ? near_hi : a.window;
     for (int64_t g = 0; g < groups; g++) {
         float *sg = s + g * n;
         const float *bg = a.bias + (h * groups + g) * a.window;
-        for (int64_t d = 0; d < near; d++) sg[n - 1 - d] += bg[d];
-        lazy_elastic_softmax(sg, n, a.tau[h * groups + g] * inv_n);
+        for (int64_t d = near_lo; d < d_hi; d++) sg[n - 1 - d] += bg[d];
     }
-    // 3. the value rows some head of the group weights (a NaN weight counts), with their weights as [m, groups]
-    float *const v_converted = converted + a.convert_key_floats(n);
-    int64_t m = 0, t0 = 0;
+}
+
+// o_g += sum_t w_gt v_t over the keys t in [lo, hi) that some head of the group weights (a NaN weight counts): the
+// value rows are gathered with their weights as [m, G], then summed in register tiles.
+static void decode_values(const DecodeArgs &a, int64_t b, int64_t h, int64_t first, int64_t n, int64_t lo, int64_t hi,
+                          const float *s, float *w, const float **rows, float *v_converted, float *acc) {
+    const int64_t groups = a.heads / a.kv_heads, dim_v = a.dim_v;
+    int64_t m = 0, t0 = lo;
 #ifdef LAZY_AVX2
-    for (; t0 + 8 <= n; t0 += 8) {  // 8 keys at a time: a bit per key that some head weights
+    for (; t0 + 8 <= hi; t0 += 8) {  // 8 keys at a time: a bit per key that some head weights
         __m256 any = _mm256_setzero_ps();
         for (int64_t g = 0; g < groups; g++)
             any = _mm256_or_ps(any, _mm256_cmp_ps(_mm256_loadu_ps(s + g * n + t0), _mm256_setzero_ps(), _CMP_NEQ_UQ));
@@ -246,7 +238,7 @@ static void decode_task(const DecodeArgs &a, int64_t task, DecodeScratch &scratc
         }
     }
 #endif
-    for (int64_t tb = t0; tb < n; tb++) {
+    for (int64_t tb = t0; tb < hi; tb++) {
         bool any = false;
         for (int64_t g = 0; g < groups; g++) any |= s[g * n + tb] != 0.0f;  // true for NaN
         if (!any) continue;
@@ -254,8 +246,6 @@ static void decode_task(const DecodeArgs &a, int64_t task, DecodeScratch &scratc
         rows[m] = a.value_row(b, h, first + tb, v_converted + m * dim_v);
         m++;
     }
-    // 4. o_g = sum_t a_gt v_t over those rows
-    std::memset(acc, 0, groups * dim_v * sizeof(float));
 #ifdef LAZY_AVX2
     if (dim_v % 16 == 0) {  // tiles of 64 rows (in L1) x 16 or 32 columns x up to 4 or 3 heads in registers
         for (int64_t i0 = 0; i0 < m; i0 += 64) {
@@ -284,15 +274,144 @@ static void decode_task(const DecodeArgs &a, int64_t task, DecodeScratch &scratc
                     }
                 }
         }
-    } else
+        return;
+    }
 #endif
-    {
-        for (int64_t i = 0; i < m; i++)
-            for (int64_t g = 0; g < groups; g++) {
-                const float wg = w[i * groups + g];
-                float *ag = acc + g * dim_v;
-                for (int64_t c = 0; c < dim_v; c++) ag[c] += wg * rows[i][c];
+    for (int64_t i = 0; i < m; i++)
+        for (int64_t g = 0; g < groups; g++) {
+            const float wg = w[i * groups + g];
+            float *ag = acc + g * dim_v;
+            for (int64_t c = 0; c < dim_v; c++) ag[c] += wg * rows[i][c];
+        }
+}
+
+// One (sequence b, key/value head h) task of the decode op: the G query heads of the group against the sequence's
+// keys first .. first + n - 1 (first: 0, or the row after its left padding); key t of them is at distance n - 1 - t.
+static void decode_task(const DecodeArgs &a, int64_t task, DecodeScratch &scratch) {
+    const int64_t groups = a.heads / a.kv_heads, dim = a.dim, dim_v = a.dim_v;
+    const int64_t b = task / a.kv_heads, h = task % a.kv_heads;
+    const int64_t first = a.first_key(b), n = a.keys(b) - first;
+    if (n <= 0) {
+        for (int64_t g = 0; g < groups; g++) a.store_out(b, h * groups + g, nullptr);
+        return;
+    }
+    a.check_blocks(b, first + n);
+    float *const s = scratch.floats(2 * groups * n + groups * dim_v + groups * dim + a.convert_floats(n));
+    float *const w = s + groups * n, *const acc = w + groups * n, *const q = acc + groups * dim_v;
+    float *const converted = q + groups * dim;  // key then value rows of a half-precision cache, as float32
+    for (int64_t g = 0; g < groups; g++) a.load_query(b, h * groups + g, q + g * dim);
+    // 1. biased scores, each key row read once for the G heads
+    decode_scores(a, b, h, first, n, 0, n, q, s, converted);
+    // 2. a = max(0, softmax + tau / n) per head
+    const float inv_n = 1.0f / static_cast<float>(a.positions ? a.positions[b] + 1 : n);
+    for (int64_t g = 0; g < groups; g++) lazy_elastic_softmax(s + g * n, n, a.tau[h * groups + g] * inv_n);
+    // 3. o_g = sum_t a_gt v_t over the value rows some head weights
+    std::memset(acc, 0, groups * dim_v * sizeof(float));
+    decode_values(a, b, h, first, n, 0, n, s, w, scratch.rows(n), converted + a.convert_key_floats(n), acc);
+    for (int64_t g = 0; g < groups; g++) a.store_out(b, h * groups + g, acc + g * dim_v);
+}
+
+// Split-K decode (fewer tasks than threads, long sequences): the keys of a task are cut into `splits` slices, each
+// its own parallel item, in three steps (`SplitArgs`).
+static void split_range(int64_t n, int64_t splits, int64_t k, int64_t &lo, int64_t &hi) {
+    const int64_t per = ((n + splits - 1) / splits + 7) / 8 * 8;  // slices of whole 8-key groups
+    lo = k * per < n ? k * per : n;
+    hi = lo + per < n ? lo + per : n;
+}
+
+// Step 1 of item (task, slice k): biased scores of its keys, then per head the slice's max m and sum z of
+// exp(s - m) (s becomes exp(s - m)). A slice without a finite score keeps m = -inf, z = 0 (NaN when it holds a
+// NaN score) and sets its finite-less scores to 0 (their softmax weight once the row's normaliser is known).
+static void decode_split_scores(const DecodeArgs &a, const SplitArgs &sp, int64_t item, DecodeScratch &scratch) {
+    const int64_t groups = a.heads / a.kv_heads, dim = a.dim;
+    const int64_t task = item / sp.splits, k = item % sp.splits;
+    const int64_t b = task / a.kv_heads, h = task % a.kv_heads;
+    const int64_t first = a.first_key(b), n = a.keys(b) - first;
+    int64_t lo, hi;
+    split_range(n, sp.splits, k, lo, hi);
+    float *stats = sp.stats + (task * sp.splits + k) * groups * 2;
+    if (hi <= lo) {
+        for (int64_t g = 0; g < groups; g++) stats[2 * g] = -INFINITY, stats[2 * g + 1] = 0.0f;
+        return;
+    }
+    a.check_blocks(b, first + hi);
+    float *const q = scratch.floats(groups * dim + a.convert_key_floats(n));
+    float *const converted = q + groups * dim;
+    for (int64_t g = 0; g < groups; g++) a.load_query(b, h * groups + g, q + g * dim);
+    float *const s = sp.scores + task * groups * sp.max_n;  // row g at s + g * n, as decode_scores writes it
+    decode_scores(a, b, h, first, n, lo, hi, q, s, converted);
+    for (int64_t g = 0; g < groups; g++) {
+        float *x = s + g * n + lo;
+        const float m = lazy_max(x, hi - lo);
+        float z;
+        if (m == -INFINITY) {
+            bool nan = false;
+            for (int64_t t = 0; t < hi - lo; t++) {
+                nan |= x[t] != x[t];
+                x[t] = x[t] != x[t] ? x[t] : 0.0f;
             }
+            z = nan ? std::numeric_limits<float>::quiet_NaN() : 0.0f;
+        } else {
+            z = lazy_exp_sum(x, hi - lo, m);
+        }
+        stats[2 * g] = m, stats[2 * g + 1] = z;
+    }
+}
+
+// Step 2 of item (task, slice k): the row's max M and normaliser L from all slices' (m, z), the slice's weights
+// a = max(0, exp(s - M) / L + tau / n) (0 for every key when the row has no finite score, NaN when it holds a NaN),
+// then the slice's share of o_g from the value rows some head weights.
+static void decode_split_values(const DecodeArgs &a, const SplitArgs &sp, int64_t item, DecodeScratch &scratch) {
+    const int64_t groups = a.heads / a.kv_heads, dim_v = a.dim_v;
+    const int64_t task = item / sp.splits, k = item % sp.splits;
+    const int64_t b = task / a.kv_heads, h = task % a.kv_heads;
+    const int64_t first = a.first_key(b), n = a.keys(b) - first;
+    float *acc = sp.partial + (task * sp.splits + k) * groups * dim_v;
+    std::memset(acc, 0, groups * dim_v * sizeof(float));
+    int64_t lo, hi;
+    split_range(n, sp.splits, k, lo, hi);
+    if (hi <= lo) return;
+    const float *stats = sp.stats + task * sp.splits * groups * 2;
+    float *const s = sp.scores + task * groups * sp.max_n;
+    const float inv_n = 1.0f / static_cast<float>(a.positions ? a.positions[b] + 1 : n);
+    for (int64_t g = 0; g < groups; g++) {
+        float big = -INFINITY;
+        for (int64_t j = 0; j < sp.splits; j++) big = stats[(j * groups + g) * 2] > big ? stats[(j * groups + g) * 2] : big;
+        float total = 0.0f;
+        for (int64_t j = 0; j < sp.splits; j++) {
+            const float m = stats[(j * groups + g) * 2], z = stats[(j * groups + g) * 2 + 1];
+            total += m == -INFINITY ? z : z * lazy_exp(m - big);  // z: 0 or NaN for a slice without a finite score
+        }
+        float *x = s + g * n;
+        if (big == -INFINITY) {  // no normaliser: weights 0 (NaN when a score is NaN)
+            const float fill = total != total ? std::numeric_limits<float>::quiet_NaN() : 0.0f;
+            for (int64_t t = lo; t < hi; t++) x[t] = fill;
+            continue;
+        }
+        const float m = stats[(k * groups + g) * 2];
+        const float factor = (m == -INFINITY ? 0.0f : lazy_exp(m - big)) / total;
+        const float shift = a.tau[h * groups + g] * inv_n;
+        for (int64_t t = lo; t < hi; t++) {
+            const float w = x[t] * factor + shift;
+            x[t] = w < 0.0f ? 0.0f : w;  // NaN stays NaN
+        }
+    }
+    float *const w = scratch.floats(2 * groups * (hi - lo) + a.convert_floats(hi - lo));
+    float *const v_converted = w + groups * (hi - lo);
+    // decode_values indexes w and v_converted from 0 and rows by slot; the slice's rows are its keys' value rows
+    decode_values(a, b, h, first, n, lo, hi, s, w, scratch.rows(hi - lo), v_converted, acc);
+}
+
+// Step 3 of task: o_g = the sum of its slices' shares.
+static void decode_split_sum(const DecodeArgs &a, const SplitArgs &sp, int64_t task) {
+    const int64_t groups = a.heads / a.kv_heads, dim_v = a.dim_v;
+    const int64_t b = task / a.kv_heads, h = task % a.kv_heads;
+    float *acc = sp.partial + task * sp.splits * groups * dim_v;
+    for (int64_t j = 1; j < sp.splits; j++)
+        for (int64_t i = 0; i < groups * dim_v; i++) acc[i] += acc[j * groups * dim_v + i];
+    if (a.keys(b) - a.first_key(b) <= 0) {
+        for (int64_t g = 0; g < groups; g++) a.store_out(b, h * groups + g, nullptr);
+        return;
     }
     for (int64_t g = 0; g < groups; g++) a.store_out(b, h * groups + g, acc + g * dim_v);
 }

@@ -82,7 +82,7 @@ def _require_cpu(op: str, **tensors) -> None:
 
 
 def lazy_decode_cpu(query, key, value, tau, distance_bias, scaling, *, seq_len=0, seq_lens=None, block_table=None,
-                    positions=None, key_starts=None) -> torch.Tensor:
+                    positions=None, key_starts=None, num_splits=0) -> torch.Tensor:
     """One decode row per sequence: `out [B, Hq, Dv]` (the query dtype) = LazyAttention(query `[B, Hq, D]`,
     keys 0 .. n - 1).
 
@@ -94,6 +94,8 @@ def lazy_decode_cpu(query, key, value, tau, distance_bias, scaling, *, seq_len=0
     divides tau; the distances stay `n_keys - 1 - t`). `key_starts [B]` (int32) skips each sequence's first keys (a
     left-padded batch): sequence b then sees keys `key_starts[b] .. n - 1`, as if they were all its keys (its
     default position is `n - key_starts[b] - 1`). `tau [Hq]`, `distance_bias [Hq, W]` (any float dtype).
+    `num_splits`: slices of each sequence's keys computed as separate parallel items (split-K); 0 chooses (slices
+    only when there are fewer (sequence, KV head) tasks than the threads can share evenly and the keys are many).
     """
     if not query.device.type == key.device.type == value.device.type == "cpu":
         _require_cpu("lazy_decode_cpu", query=query, key=key, value=value)
@@ -104,7 +106,8 @@ def lazy_decode_cpu(query, key, value, tau, distance_bias, scaling, *, seq_len=0
     if key_starts is not None and (key_starts.dtype != torch.int32 or not key_starts.is_contiguous()):
         key_starts = key_starts.to(torch.int32).contiguous()
     return torch.ops.lazy_llama.cpu_decode(query, key, value, _float32(tau), _float32(distance_bias), float(scaling),
-                                           int(seq_len), seq_lens, block_table, positions, key_starts)
+                                           int(seq_len), seq_lens, block_table, positions, key_starts,
+                                           int(num_splits))
 
 
 def lazy_elastic_rows(scores, i0, tau, distance_bias, q_pos, row0) -> torch.Tensor:
@@ -129,7 +132,7 @@ def _register_fakes() -> None:
     """Shapes for fake (meta) tensors, so that tracing and `torch.compile` see through the ops."""
 
     def decode(query, key, value, tau, distance_bias, scale, seq_len, seq_lens, block_table, positions,
-               key_starts=None):
+               key_starts=None, num_splits=0):
         if not query.device == key.device == value.device:
             raise RuntimeError(f"lazy_llama::cpu_decode: query, key and value are on different devices "
                                f"({query.device}, {key.device}, {value.device})")

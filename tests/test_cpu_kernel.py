@@ -462,7 +462,8 @@ def test_prefill_elastic_rows_match_float64(case, tau_kind, isa, rng_seed, monke
     torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5, msg=lambda m: f"seed {rng_seed}: {m}")
 
 
-SANITIZED_TESTS = "test_contiguous_cache_matches_float64 or test_paged or test_half or test_nan or test_rows_without"
+SANITIZED_TESTS = ("test_contiguous_cache_matches_float64 or test_paged or test_half or test_nan or test_rows_without"
+                   " or test_left_padded or test_split")
 
 
 def test_kernel_tests_pass_under_address_and_undefined_behaviour_sanitizers(tmp_path):
@@ -504,7 +505,9 @@ def test_kernel_tests_pass_under_address_and_undefined_behaviour_sanitizers(tmp_
     done = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider",
                            "tests/test_cpu_kernel.py", "-k", SANITIZED_TESTS], cwd=tree, env=env, capture_output=True,
                           text=True, timeout=600)
-    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    found = [i for i in (done.stderr.find(m) for m in ("ERROR: AddressSanitizer", "runtime error:")) if i >= 0]
+    report = done.stderr[min(found):][:4000] if found else done.stderr[-4000:]  # the sanitizer's own report first
+    assert done.returncode == 0, done.stdout[-2000:] + report
     assert " passed" in done.stdout and "runtime error" not in done.stderr, done.stdout[-2000:] + done.stderr[-2000:]
 
 
@@ -531,5 +534,73 @@ def test_left_padded_rows_start_at_their_first_key(shape, dtype, isa, rng_seed):
     tolerance = 1e-5 if torch_dtype == torch.float32 else 1e-2
     torch.testing.assert_close(out.double(), want, atol=tolerance, rtol=tolerance,
                                msg=lambda m: f"seed {rng_seed}: {m}")
+
+
+def test_key_starts_outside_the_sequence_are_refused():
+    q, k, v = torch.randn(3, 4, 8), torch.randn(3, 2, 90, 8), torch.randn(3, 2, 90, 8)
     with pytest.raises(RuntimeError, match="key_starts\\[0\\] = 91 is outside the sequence's 90 keys"):
-        cpu.lazy_decode_cpu(q, k, v, tau, bias, dim**-0.5, seq_len=keys, key_starts=torch.tensor([91, 0, 0]))
+        cpu.lazy_decode_cpu(q, k, v, torch.zeros(4), torch.zeros(4, 8), 0.125, seq_len=90,
+                            key_starts=torch.tensor([91, 0, 0]))
+
+
+SPLIT_CASES = ["contiguous", "paged", "left-padded", "nan-key", "no-normaliser-head", "positive-tau"]
+
+
+@pytest.mark.parametrize("splits", [2, 3, 7])
+@pytest.mark.parametrize("case", SPLIT_CASES)
+def test_split_keys_match_float64(case, splits, isa, rng_seed):
+    """Split-K (each sequence's keys cut into slices computed as separate parallel items, then combined through
+    their max and normaliser): the same float64 answer as the whole row, for contiguous and paged caches, left
+    padding, a NaN key (its heads NaN, the others finite), a head without any finite score (0) and tau > 0 (every
+    visible key weighted)."""
+    heads, kv_heads, dim, dim_v = SHAPES["gqa3-d64"]
+    tau = torch.randn(heads) - 0.5 if case != "positive-tau" else torch.rand(heads) + 0.1
+    bias = torch.randn(heads, 40)
+    positions, starts = None, None
+    if case == "paged":
+        q, k, v, table, lengths, keys, values = _paged_case("gqa3-d64")
+        out = cpu.lazy_decode_cpu(q, k, v, tau, bias, dim**-0.5, seq_lens=lengths, block_table=table,
+                                  num_splits=splits)
+        want = decode64(q, keys, values, tau, bias, lengths.long() - 1, dim**-0.5)
+    else:
+        bsz, n = 2, 203
+        q = torch.randn(bsz, heads, dim) * 2
+        k, v = torch.randn(bsz, kv_heads, n, dim), torch.randn(bsz, kv_heads, n, dim_v)
+        if case == "left-padded":
+            starts = torch.tensor([0, 58], dtype=torch.int32)
+            positions = n - 1 - starts.long()
+        if case == "nan-key":
+            k[1, 2, 150, 5] = float("nan")
+        if case == "no-normaliser-head":
+            bias = torch.randn(heads, 256)  # a window longer than the keys: every key of head 4 scores -inf
+            bias[4] = float("-inf")
+        out = cpu.lazy_decode_cpu(q, k, v, tau, bias, dim**-0.5, seq_len=n, positions=positions, key_starts=starts,
+                                  num_splits=splits)
+        first = [0, 0] if starts is None else starts.tolist()
+        want = decode64(q, [k[b, :, first[b]:] for b in range(bsz)], [v[b, :, first[b]:] for b in range(bsz)], tau,
+                        bias, positions if positions is not None else torch.full((bsz,), n - 1), dim**-0.5)
+    assert torch.equal(out.isnan(), want.isnan()), f"seed {rng_seed}: NaN pattern differs"
+    if case == "nan-key":
+        assert out[1, 6:9].isnan().all() and not out[0].isnan().any()
+    torch.testing.assert_close(out.double().nan_to_num(), want.nan_to_num(), atol=1e-5, rtol=1e-5,
+                               msg=lambda m: f"seed {rng_seed}: {m}")
+    whole = cpu.lazy_decode_cpu(q, k, v, tau, bias, dim**-0.5, **(
+        dict(seq_lens=lengths, block_table=table) if case == "paged" else
+        dict(seq_len=n, positions=positions, key_starts=starts)), num_splits=1)
+    torch.testing.assert_close(out.nan_to_num(), whole.nan_to_num(), atol=1e-5, rtol=1e-5)
+
+
+def test_split_count_is_chosen_from_tasks_and_threads(rng_seed):
+    """With 2 threads, one sequence of 3 KV heads at 8k keys (the automatic choice splits it: whole, the second
+    thread would idle on the third task) gives the answer computed whole."""
+    heads, kv_heads, dim = 9, 3, 64
+    q, k, v = torch.randn(1, heads, dim), torch.randn(1, kv_heads, 8192, dim), torch.randn(1, kv_heads, 8192, dim)
+    tau, bias = torch.full((heads,), -1.0), torch.randn(heads, 64)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        auto = cpu.lazy_decode_cpu(q, k, v, tau, bias, 0.125, seq_len=8192)
+    finally:
+        torch.set_num_threads(threads)
+    whole = cpu.lazy_decode_cpu(q, k, v, tau, bias, 0.125, seq_len=8192, num_splits=1)
+    torch.testing.assert_close(auto, whole, atol=1e-6, rtol=1e-5, msg=lambda m: f"seed {rng_seed}: {m}")
