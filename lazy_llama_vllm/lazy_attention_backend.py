@@ -58,7 +58,7 @@ from modeling_lazy.lazy_attention_ops import lazy_attention, uses_triton
 from modeling_lazy.lazy_attention_reference import LazyMetadata
 
 try:  # the Triton paged step; without triton `use_triton` is False and no step is built for it
-    from .lazy_attention_paged_triton import lazy_attention_paged
+    from .lazy_attention_paged_op import lazy_attention_paged
 except ImportError:
     lazy_attention_paged = None
 

@@ -1,5 +1,6 @@
 """Lazy Attention against vLLM's paged KV cache with the Triton kernels: the varlen paged prefill kernel, its
-launchers, the two entry points and the `lazy_llama::triton_paged` operator (checkpoints do not carry this file).
+launchers and the two entry points (checkpoints do not carry this file; the operator that wraps them for vLLM's
+backend is in lazy_attention_paged_op.py).
 
     _lazy_paged_fwd_kernel                the causal fast path's passes (`causal_passes` of
                                           modeling_lazy/lazy_attention_triton_forward.py) for a mixed vLLM step: query
@@ -9,8 +10,6 @@ launchers, the two entry points and the `lazy_llama::triton_paged` operator (che
                                           modeling_lazy/lazy_attention_triton_decode.py) with a block table
     lazy_attention_triton_paged           a mixed step (prompts, chunks, decode tokens): decode tokens first through
                                           the packed decode, the rest through the varlen kernel
-    lazy_attention_paged                  the same step through the `lazy_llama::triton_paged` operator (what the
-                                          backend, lazy_attention_backend.py, calls: torch.compile sees one node)
 
 The block table (`_CONFIGS`, kind "paged_fwd") and the ahead-of-time build list stay in
 modeling_lazy/lazy_attention_triton_common.py with every other kernel's. Importing this file needs triton (not vLLM).
@@ -202,49 +201,4 @@ def _cache_halves(query, kv_cache):
     return kv_cache.narrow(-1, 0, dim), kv_cache.narrow(-1, dim, dim)
 
 
-# ---------------------------------------------------------------------------------------------------
-# The operator (namespace `lazy_llama`, beside the model's operators in modeling_lazy/lazy_attention_ops.py)
-# ---------------------------------------------------------------------------------------------------
-
-
-def _triton_paged(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, block_table: torch.Tensor,
-                  query_start_loc: torch.Tensor, seq_lens: torch.Tensor, tau: torch.Tensor, distance_bias: torch.Tensor,
-                  scaling: float, max_query_len: int | None, max_seq_len: int | None, num_decodes: int
-                  ) -> torch.Tensor:
-    """`out [T, Hq, D]` of one vLLM step (see `lazy_attention_triton_paged`)."""
-    return lazy_attention_triton_paged(query, (key_cache, value_cache), block_table, query_start_loc, seq_lens, tau,
-                                       distance_bias, scaling, max_query_len=max_query_len, max_seq_len=max_seq_len,
-                                       num_decodes=num_decodes)
-
-
-def _triton_paged_fake(query, key_cache, value_cache, block_table, query_start_loc, seq_lens, tau, distance_bias,
-                       scaling, max_query_len, max_seq_len, num_decodes):
-    return torch.empty_like(query)
-
-
-def _register() -> None:
-    """`lazy_llama::triton_paged`, once per process (an installed copy and another copy of this file share the
-    registry, as the model's operators do: lazy_attention_ops._registered). A `triton_op` whose launches go through
-    `wrap_triton`; a fake of its own, since the launchers' bodies run on fake tensors only where `wrap_triton`
-    traces (not under TRITON_INTERPRET=1, which launches at once)."""
-    if not hasattr(torch.ops.lazy_llama, "triton_paged"):
-        torch.library.triton_op("lazy_llama::triton_paged", _triton_paged, mutates_args=()).register_fake(
-            _triton_paged_fake)
-
-
-_register()
-
-
-def lazy_attention_paged(query, key_cache, value_cache, block_table, query_start_loc, seq_lens, tau, distance_bias,
-                         scaling, max_query_len=None, max_seq_len=None, num_decodes=0) -> torch.Tensor:
-    """One vLLM step against the paged cache with the Triton kernels (`lazy_llama::triton_paged`, forward only).
-
-    query `[T, Hq, D]`; key_cache, value_cache `[num_blocks, Hkv, block_size, D]` views; the other arguments as in
-    `lazy_attention_triton_paged`. Returns `[T, Hq, D]` in the query dtype.
-    """
-    return torch.ops.lazy_llama.triton_paged(query, key_cache, value_cache, block_table, query_start_loc, seq_lens,
-                                             tau, distance_bias, float(scaling), max_query_len, max_seq_len,
-                                             num_decodes)
-
-
-__all__ = ["lazy_attention_paged", "lazy_attention_triton_paged", "lazy_attention_triton_paged_decode"]
+__all__ = ["lazy_attention_triton_paged", "lazy_attention_triton_paged_decode"]

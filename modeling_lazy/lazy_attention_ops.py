@@ -1,7 +1,7 @@
 """Lazy Attention as PyTorch operators (namespace `lazy_llama`), and the one table that picks a kernel.
 
 Every caller (the model's `"lazy"` attention, the vLLM backend, benchmarks, tests) calls `lazy_attention` (a vLLM
-step against the paged cache calls `lazy_attention_paged` of lazy_llama_vllm/lazy_attention_paged_triton.py).
+step against the paged cache calls `lazy_attention_paged` of lazy_llama_vllm/lazy_attention_paged_op.py).
 `choose_kernel` decides from the device, grad mode, query rows, layout, dtype and `LAZY_LLAMA_BACKEND` which kernel
 runs; each kernel family is a registered operator, so `torch.compile`, `make_fx` and `torch.export` see one node
 per call (no graph break) and run the project's kernels in the compiled program:
