@@ -26,8 +26,8 @@ Where the code lives (flat files: a checkpoint carries them; they import each ot
                                        layer, the tests and the benchmarks
     lazy_attention_ops.py              the operators (`lazy_llama::triton_attention`, ...) and `choose_kernel`, which
                                        picks the launcher for each call
-    lazy_llama_vllm/lazy_attention_paged_triton.py   vLLM's paged prefill and the paged entry points (the vLLM
-                                                     plugin's; checkpoints do not carry it)
+    lazy_llama_vllm/lazy_attention_paged_triton.py   vLLM's paged prefill and the paged entry points, and
+    lazy_llama_vllm/lazy_attention_paged_op.py       their operator (the vLLM plugin's; checkpoints do not carry them)
 
 Every launch goes through `wrap_triton`, so that torch.compile and make_fx trace it. Under TRITON_INTERPRET=1 (set
 before import) the same kernels run on CPU tensors.

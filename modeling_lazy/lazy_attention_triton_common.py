@@ -6,15 +6,16 @@ relatively, so `trust_remote_code` finds every one). Open:
     lazy_attention_triton.py           the entry point `lazy_attention_triton` and the map of the kernels
     lazy_attention_triton_common.py    this file: the triton import guard, the constants (MAX_HEAD_DIM, DECODE_MAX_ROWS,
                                        SPLIT_MIN_KEYS, DEAD_ROW_LSE, LOG2E), the block table `_CONFIGS` (`_config`,
-                                       `_launch_config`), the ahead-of-time build list `AOT_BUILDS`, the `@triton.jit`
-                                       helpers more than one family calls, the launchers' input checks and stride
-                                       helpers, and the named results `ForwardResult` / `BackwardResult`
+                                       `_launch_config`), the ahead-of-time build list `AOT_BUILDS` with each
+                                       kernel's file and pointer types (`AOT_KERNELS`), the `@triton.jit` helpers more
+                                       than one family calls, the launchers' input checks and stride helpers, and the
+                                       named results `ForwardResult` / `BackwardResult`
     lazy_attention_triton_forward.py   the general forward (and its split-K decode) and the causal fast-path forward
     lazy_attention_triton_backward.py  the general backward and the causal fast-path backward
     lazy_attention_triton_decode.py    the packed decode (plain layout and paged caches)
     lazy_attention_ops.py              the operators and the table that picks a launcher for each call
-    lazy_llama_vllm/lazy_attention_paged_triton.py   vLLM's paged prefill kernel and its entry points (not shipped
-                                                     with checkpoints)
+    lazy_llama_vllm/lazy_attention_paged_triton.py   vLLM's paged prefill kernel and its entry points, and
+    lazy_llama_vllm/lazy_attention_paged_op.py       their operator (the vLLM plugin's; not shipped with checkpoints)
 
 Math and design: docs/design.md; the kernel map: lazy_attention_triton.py's docstring.
 
