@@ -3,54 +3,85 @@
     python benchmarks/aot_compile_table.py                # bf16 builds: registers, shared, spill bytes, wgmma
     python benchmarks/aot_compile_table.py --all-dtypes   # also fp16 and fp32
 
-Each row is one kernel at one shipped block configuration (see the constants at the top of
-modeling_lazy/lazy_attention_triton.py). `cuobjdump --dump-resource-usage` (shipped in the triton wheel)
-gives registers and LOCAL bytes (spills); the PTX of the sm_90 build shows whether `wgmma.mma_async`
-(Hopper tensor cores) is used. tests/test_triton_aot.py asserts the same facts.
+Each row is one kernel at one shipped block configuration: the build list `AOT_BUILDS`, the pointer types
+`AOT_KERNELS` and the block table `_CONFIGS` of modeling_lazy/lazy_attention_triton_common.py.
+`cuobjdump --dump-resource-usage` (shipped in the triton wheel) gives registers and LOCAL bytes (spills); the PTX
+of the sm_90 build shows whether `wgmma.mma_async` (Hopper tensor cores) is used. tests/test_triton_aot.py asserts
+the same facts.
 """
 
 import argparse
 import concurrent.futures
-import importlib.util
+import functools
+import importlib
 import os
 import re
 import subprocess
 import sys
 import tempfile
 import time
+import types
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-KERNEL_FILE = ROOT / "modeling_lazy" / "lazy_attention_triton.py"
+# The packages that hold kernel files (flat modules that import each other), loaded afresh by `load_kernels`.
+KERNEL_PACKAGES = {"modeling_lazy": ROOT / "modeling_lazy", "lazy_llama_vllm": ROOT / "lazy_llama_vllm"}
+COMMON_MODULE = "modeling_lazy.lazy_attention_triton_common"
 ARCHS = (80, 90)
 HEAD_DIMS = (64, 128)
 _DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
-_INPUT_POINTERS = {"Q", "K", "V", "OUT", "DO", "DQ", "DK", "DV"}
-_FLOAT32_POINTERS = {"TAU", "BIAS", "BAND", "LSE", "M_PART", "L_PART", "O_PART", "DELTA", "DTAU_PART", "DBIAS_PART",
-                     "SCORES", "LSE2", "U"}
-_INT32_POINTERS = {"QPOS", "KPOS", "QSEG", "KSEG", "STATS", "KLEN", "BLOCK_TABLE", "QUERY_START", "TILES"}
 
 
-def load_kernels():
-    """A fresh, compiled-mode copy of the kernel module (works even if TRITON_INTERPRET=1 is set)."""
-    saved = os.environ.pop("TRITON_INTERPRET", None)
+class KernelFiles:
+    """The kernel files of one `load_kernels` call: a name is looked up in the common module (`_config`,
+    `_DOT_PRECISION`, `AOT_BUILDS`, ...), then, for a kernel, in the file `AOT_KERNELS` names for it."""
+
+    def __init__(self, modules: dict):
+        self.modules = modules
+        self.common = modules[COMMON_MODULE]
+
+    def __getattr__(self, name):
+        if hasattr(self.common, name):
+            return getattr(self.common, name)
+        if name in self.common.AOT_KERNELS:
+            return getattr(self.modules[self.common.AOT_KERNELS[name][0]], name)
+        raise AttributeError(name)
+
+
+@functools.cache
+def load_kernels() -> KernelFiles:
+    """Fresh, compiled-mode copies of the kernel files (works even if TRITON_INTERPRET=1 is set, or this process
+    imported them under the interpreter): each file of `AOT_KERNELS` and the common one, imported as submodules of
+    bare packages named like the real ones (their relative and absolute imports resolve to these copies; the
+    packages' `__init__` files, which import transformers and register operators, do not run). The process's own
+    modules are put back afterwards; the copies stay usable (Triton compiles from their functions' globals)."""
+    saved_env = os.environ.pop("TRITON_INTERPRET", None)
+    ours = lambda name: name.split(".")[0] in KERNEL_PACKAGES  # noqa: E731
+    saved = {name: module for name, module in sys.modules.items() if ours(name)}
     try:
-        spec = importlib.util.spec_from_file_location("_lazy_attention_triton_aot", KERNEL_FILE)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = module
-        spec.loader.exec_module(module)
+        for name in saved:
+            del sys.modules[name]
+        for name, path in KERNEL_PACKAGES.items():
+            package = types.ModuleType(name)
+            package.__path__ = [str(path)]
+            sys.modules[name] = package
+        common = importlib.import_module(COMMON_MODULE)
+        files = {COMMON_MODULE} | {module for module, _ in common.AOT_KERNELS.values()}
+        return KernelFiles({name: importlib.import_module(name) for name in sorted(files)})
     finally:
-        if saved is not None:
-            os.environ["TRITON_INTERPRET"] = saved
-    return module
+        for name in [name for name in sys.modules if ours(name)]:
+            del sys.modules[name]
+        sys.modules.update(saved)
+        if saved_env is not None:
+            os.environ["TRITON_INTERPRET"] = saved_env
 
 
 @dataclass(frozen=True)
 class Build:
-    kernel: str  # kernel function name in the module
+    kernel: str  # kernel function name (an `AOT_KERNELS` key)
     kind: str  # a `_CONFIGS` key: fwd | causal_fwd | decode | delta | dq | dkdv | causal_dq ... (blocks, warps)
     dtype: torch.dtype
     head_dim: int
@@ -64,28 +95,9 @@ class Build:
 
 
 def shipped_builds(dtypes=(torch.bfloat16, torch.float16, torch.float32)) -> list[Build]:
-    builds = []
-    for arch in ARCHS:
-        for dtype in dtypes:
-            for dim in HEAD_DIMS:
-                builds += [Build("_lazy_fwd_kernel", "fwd", dtype, dim, arch),
-                           Build("_lazy_causal_fwd_kernel", "causal_fwd", dtype, dim, arch),
-                           Build("_lazy_causal_fwd_kernel", "causal_fwd_u", dtype, dim, arch),
-                           Build("_lazy_paged_fwd_kernel", "paged_fwd", dtype, dim, arch, page_size=16),
-                           Build("_lazy_fwd_kernel", "decode", dtype, dim, arch),
-                           Build("_lazy_fwd_split_lse_kernel", "decode", dtype, dim, arch),
-                           Build("_lazy_fwd_split_out_kernel", "decode", dtype, dim, arch),
-                           Build("_lazy_decode_lse_kernel", "packed_decode", dtype, dim, arch),
-                           Build("_lazy_decode_out_kernel", "packed_decode", dtype, dim, arch),
-                           Build("_lazy_decode_lse_kernel", "packed_decode", dtype, dim, arch, page_size=16),
-                           Build("_lazy_decode_out_kernel", "packed_decode", dtype, dim, arch, page_size=16),
-                           Build("_lazy_bwd_delta_kernel", "delta", dtype, dim, arch),
-                           Build("_lazy_bwd_dq_kernel", "dq", dtype, dim, arch),
-                           Build("_lazy_bwd_dkdv_kernel", "dkdv", dtype, dim, arch),
-                           Build("_lazy_causal_bwd_delta_kernel", "causal_delta", dtype, dim, arch, matmul=False),
-                           Build("_lazy_causal_bwd_dq_kernel", "causal_dq", dtype, dim, arch),
-                           Build("_lazy_causal_bwd_dkdv_kernel", "causal_dkdv", dtype, dim, arch)]
-    return builds
+    """`AOT_BUILDS` (the common module's build list) for every arch, dtype and head dim."""
+    return [Build(build.kernel, build.kind, dtype, dim, arch, build.matmul, build.page_size)
+            for arch in ARCHS for dtype in dtypes for dim in HEAD_DIMS for build in load_kernels().AOT_BUILDS]
 
 
 def _family(build: Build) -> str:
@@ -95,7 +107,7 @@ def _family(build: Build) -> str:
 def _constexprs(module, build: Build) -> dict:
     block_m, block_n, _, _ = module._config(build.kind, max(16, build.head_dim), _family(build))
     return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=max(16, build.head_dim), D=build.head_dim,
-                SKIP=True, WITH_STATS=False, UPCAST=False, PRECISION=module._DOT_PRECISION[build.dtype],
+                UPCAST=False, PRECISION=module._DOT_PRECISION[build.dtype],
                 PAGE_SIZE=build.page_size, STORE_U=build.kind == "causal_fwd_u")
 
 
@@ -130,10 +142,11 @@ def aot_compile(fn, pointer_types: dict, constexprs: dict, arch: int, num_warps:
 
 
 def compile_build(module, build: Build):
-    """`aot_compile` one build of the project's kernels with the launchers' blocks and warps."""
+    """`aot_compile` one build of the project's kernels with the launchers' blocks and warps and the pointer types
+    `AOT_KERNELS` declares ("input": the build's dtype)."""
     fn = getattr(module, build.kernel)
-    pointer_types = {name: _DTYPE_NAMES[build.dtype] for name in _INPUT_POINTERS}
-    pointer_types |= {name: "fp32" for name in _FLOAT32_POINTERS} | {name: "i32" for name in _INT32_POINTERS}
+    pointer_types = {name: _DTYPE_NAMES[build.dtype] if kind == "input" else kind
+                     for name, kind in module.AOT_KERNELS[build.kernel][1].items()}
     constexprs = _constexprs(module, build)
     _, _, num_warps, num_stages = module._config(build.kind, constexprs["BLOCK_D"], _family(build))
     return aot_compile(fn, pointer_types, constexprs, build.arch, num_warps, num_stages)

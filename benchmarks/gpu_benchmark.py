@@ -8,14 +8,15 @@
    float32 reference (`lazy_attention_reference`) for bf16 prefill (GQA, odd length, D 64/128, tau 0 and -1)
    and decode with a cache; any failure stops the run before a single time is printed.
 2. Prefill, bf16, causal, H*D = 2048, B*L = 16k, L in {1k .. 16k}: Lazy forward (tau 0 / -1 on the causal
-   fast path the model takes; tau -1 also on the general path, block skipping on / off) and forward+backward
+   fast path the model takes; tau -1 also on the general path, which skips dead key tiles) and forward+backward
    against SDPA (flash backend), FlexAttention with a distance-bias `score_mod` (+ causal block mask), and
    FlashAttention-2 when installed. Interleaved A B A B timing with CUDA events after warm-up, median of 20.
    FA-equivalent TFLOP/s = FlashAttention FLOPs / time (causal forward
    2*B*H*L^2*D, forward+backward 3.5x that); true TFLOP/s counts what the Lazy kernels do (forward 3 causal
    L x L x D products, FA 2; backward 9 more: Delta 2, dq 3, dk/dv 4).
-3. Tile density d (key tiles that pass 2 multiplied by V / visible tiles) for random inputs at tau = -1 and
-   for inputs with a strong local distance bias.
+3. Tile density d (key tiles that pass 2 multiplies by V / visible tiles, at the general forward's shipped tiles;
+   counted here in PyTorch from the reference weights, `tile_density`) for random inputs at tau = -1 and for inputs
+   with a strong local distance bias.
 4. Decode: query length 1 against a KV cache (GQA 32/8 heads, D 128) of 1k-64k keys, B in {1, 8, 32}:
    latency against SDPA and effective bandwidth (K and V bytes read / time).
 
@@ -37,7 +38,11 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import modeling_lazy.lazy_attention_triton as lazy_triton  # noqa: E402
-from modeling_lazy.lazy_attention_reference import LazyMetadata, lazy_attention_reference  # noqa: E402
+from modeling_lazy.lazy_attention_reference import (  # noqa: E402
+    LazyMetadata,
+    lazy_attention_reference,
+    lazy_visibility,
+)
 
 REPEATS = 20
 WARMUP = 3
@@ -182,18 +187,18 @@ def _prefill_rows(device, dim, heads, window, length, bsz, backward, with_flex) 
     grad_sdpa = grad.transpose(1, 2) if backward else None
     scaling = dim**-0.5
 
-    def lazy(tau, skip, causal=True):
+    def lazy(tau, causal=True):
         def run():
             if backward:
                 out = lazy_triton.lazy_attention_triton(q, k, v, tau, bias, meta, scaling)
                 torch.autograd.backward(out, grad)
             else:
                 positions = lazy_triton._kernel_inputs(k, v, meta)[2]
-                if causal and meta.causal:  # the causal fast path (dense; `skip` does not apply)
+                if causal and meta.causal:  # the causal fast path (dense: no tile skipping)
                     lazy_triton._causal_forward(q, k, v, tau, bias, positions[0], scaling,
                                                 lazy_triton._check_inputs(q, k))
-                else:
-                    lazy_triton._forward(q, k, v, tau, bias, *positions, scaling, skip=skip)
+                else:  # the general forward (skips the V tiles of dead key tiles)
+                    lazy_triton._forward(q, k, v, tau, bias, *positions, scaling)
         return run
 
     def sdpa():
@@ -204,10 +209,9 @@ def _prefill_rows(device, dim, heads, window, length, bsz, backward, with_flex) 
         if backward:
             torch.autograd.backward(out, grad_sdpa)
 
-    functions = {"sdpa-flash": sdpa, "lazy tau=0": lazy(tau0, True), "lazy tau=-1": lazy(tau1, True)}
+    functions = {"sdpa-flash": sdpa, "lazy tau=0": lazy(tau0), "lazy tau=-1": lazy(tau1)}
     if not backward:
-        functions["lazy tau=-1 general"] = lazy(tau1, True, causal=False)
-        functions["lazy tau=-1 general no-skip"] = lazy(tau1, False, causal=False)
+        functions["lazy tau=-1 general"] = lazy(tau1, causal=False)
     fa2 = _fa2_callable(q, k, v, backward, grad)
     if fa2 is not None:
         functions["flash-attn-2"] = fa2
@@ -251,6 +255,34 @@ def prefill_table(device, lengths, dims, tokens, with_flex, width=2048) -> None:
 # ---------------------------------------------------------------------------------------------------
 
 
+def tile_density(query, key, value, tau, distance_bias, metadata, scaling) -> tuple[int, int, float]:
+    """`(visited, visible, density)` of the general forward at its shipped tiles (the blocks `_forward` launches:
+    decode blocks for <= 16 query rows), counted from the float32 reference weights: the (query tile, key tile)
+    pairs whose `a @ V` product pass 2 computes (some weight a_ij > 0), the pairs with any visible (causal,
+    same-document, non-padding) entry, and their ratio. One query head at a time (one `[B, Tq, Tk]` weight matrix
+    in memory); a weight within rounding of the kernel's float32 threshold test may count differently."""
+    q_len, dim = query.shape[2], query.shape[3]
+    groups = query.shape[1] // key.shape[1]
+    kind = "decode" if q_len <= lazy_triton.DECODE_MAX_ROWS else "fwd"
+    block_m, block_n, _, _ = lazy_triton._config(kind, max(16, 1 << (dim - 1).bit_length()),
+                                                 lazy_triton._gpu_family(query.device))
+
+    def tiles(x):  # [B, Tq, Tk] bool -> [B, q tiles, key tiles]: any entry of each tile
+        x = F.pad(x, (0, -x.shape[2] % block_n, 0, -x.shape[1] % block_m))
+        return x.view(x.shape[0], x.shape[1] // block_m, block_m, x.shape[2] // block_n, block_n).any(4).any(2)
+
+    visible = tiles(lazy_visibility(metadata)[:, 0])
+    visited = 0
+    with torch.no_grad():
+        for h in range(query.shape[1]):
+            kv = slice(h // groups, h // groups + 1)
+            _, weights = lazy_attention_reference(query[:, h:h + 1], key[:, kv], value[:, kv], tau[h:h + 1],
+                                                  distance_bias[h:h + 1], metadata, scaling)
+            visited += int((tiles(weights[:, 0, :, :metadata.key_length] > 0) & visible).sum())
+    visible_count = int(visible.sum()) * query.shape[1]
+    return visited, visible_count, visited / max(1, visible_count)
+
+
 def density_table(device, length, dim, width=2048) -> None:
     print("\n| inputs | L | D | visited tiles | visible tiles | tile density d |")
     print("|---|---|---|---|---|---|")
@@ -258,7 +290,7 @@ def density_table(device, length, dim, width=2048) -> None:
                               ("local bias, tau=-1", -1.0, True)):
         leaves, meta = make_inputs(1, width // dim, width // dim, length, length, dim, tau, 1024, device,
                                    local_bias=local)
-        visited, visible, density = lazy_triton.lazy_attention_tile_stats(*leaves, meta, dim**-0.5)
+        visited, visible, density = tile_density(*leaves, meta, dim**-0.5)
         print(f"| {label} | {length} | {dim} | {visited} | {visible} | {density:.3f} |", flush=True)
 
 
@@ -282,7 +314,7 @@ def decode_table(device, cache_lengths, batches, heads=32, kv_heads=8, dim=128) 
                     F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
 
                 times = time_interleaved({"sdpa": sdpa, f"lazy {label}": lazy}, device)
-                density = lazy_triton.lazy_attention_tile_stats(q, k, v, tau_t, bias, meta, scaling)[2]
+                density = tile_density(q, k, v, tau_t, bias, meta, scaling)[2]
                 kv_bytes = 2 * k.numel() * k.element_size()
                 for name, ms in times.items():
                     d = f"{density:.2f}" if name.startswith("lazy") else ""
@@ -323,7 +355,7 @@ def main() -> None:
     lengths = [1024, 4096] if args.quick else [1024, 2048, 4096, 8192, 16384]
     print("\n## 2. Prefill, bf16, causal, H*D = 2048, B*L = 16k\n")
     prefill_table(device, lengths, [64, 128], 16384, with_flex=not args.quick)
-    print("\n## 3. Tile density (the forward's shipped tiles; see lazy_attention_tile_stats)")
+    print("\n## 3. Tile density (the general forward's shipped tiles; see tile_density)")
     density_table(device, 4096, 128)
     print("\n## 4. Decode (q length 1, GQA 32/8, D 128, bf16)")
     decode_table(device, [1024, 4096, 16384, 65536], [1, 8, 32])

@@ -352,7 +352,7 @@ class Work:
 class KernelSpec:
     """How to compile one kernel (module, function, blocks) and what work it does for a problem."""
     label: str
-    source: str  # "lazy" (modeling_lazy/lazy_attention_triton.py) or "fa2" (benchmarks/fa2_reference_kernels.py)
+    source: str  # "lazy" (the lazy_attention_triton_*.py kernel files) or "fa2" (benchmarks/fa2_reference_kernels.py)
     function: str
     kind: str  # block-table key
     work: object  # (problem, blocks, num_sms) -> Work

@@ -54,8 +54,13 @@ from vllm.v1.attention.backend import (
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
 from modeling_lazy.lazy_attention_cpu import cache_write_supported, decode_supported, lazy_cache_write, lazy_decode_cpu
-from modeling_lazy.lazy_attention_ops import lazy_attention, lazy_attention_paged, uses_triton
+from modeling_lazy.lazy_attention_ops import lazy_attention, uses_triton
 from modeling_lazy.lazy_attention_reference import LazyMetadata
+
+try:  # the Triton paged step; without triton `use_triton` is False and no step is built for it
+    from .lazy_attention_paged_op import lazy_attention_paged
+except ImportError:
+    lazy_attention_paged = None
 
 BACKEND_NAME = "LAZY_ATTN"
 # Groups whose scores have at most this many elements (batch * heads * queries * keys; a decode batch of 64 at

@@ -1,10 +1,10 @@
 """Lazy Attention as PyTorch operators (namespace `lazy_llama`), and the one table that picks a kernel.
 
-Every caller (the model's `"lazy"` attention, the vLLM backend, benchmarks, tests) calls `lazy_attention` (or, for
-a vLLM step against the paged cache, `lazy_attention_paged`). `choose_kernel` decides from the device, grad mode,
-query rows, layout, dtype and `LAZY_LLAMA_BACKEND` which kernel runs; each kernel family is a registered
-operator, so `torch.compile`, `make_fx` and `torch.export` see one node per call (no graph break) and run the
-project's kernels in the compiled program:
+Every caller (the model's `"lazy"` attention, the vLLM backend, benchmarks, tests) calls `lazy_attention` (a vLLM
+step against the paged cache calls `lazy_attention_paged` of lazy_llama_vllm/lazy_attention_paged_op.py).
+`choose_kernel` decides from the device, grad mode, query rows, layout, dtype and `LAZY_LLAMA_BACKEND` which kernel
+runs; each kernel family is a registered operator, so `torch.compile`, `make_fx` and `torch.export` see one node
+per call (no graph break) and run the project's kernels in the compiled program:
 
     lazy_llama::attention                  the PyTorch path (CPU, or any device without triton); inference picks
                                            its kernel inside (SDPA at tau = 0, the fused C decode, the one-row and
@@ -13,7 +13,8 @@ project's kernels in the compiled program:
     lazy_llama::triton_attention           Triton forward: the general layout, or (`causal`) the causal fast path
     lazy_llama::triton_attention_backward  its backward
     lazy_llama::triton_decode              Triton packed decode (causal layout, <= 16 query rows)
-    lazy_llama::triton_paged               one vLLM step (prompts, chunks, decode tokens) against the paged cache
+    lazy_llama::triton_paged               one vLLM step (prompts, chunks, decode tokens) against the paged cache,
+                                           registered by the vLLM plugin (lazy_llama_vllm's paged module)
 
 The Triton ops are `torch.library.triton_op`s whose launches go through `wrap_triton`: compile and export trace
 their bodies (the launch becomes a graph node inductor schedules), and the same body, run on fake tensors, is their
@@ -35,14 +36,7 @@ from .lazy_attention_reference import DECODE_MAX_ROWS, LazyMetadata, _is_causal_
 from .lazy_attention_torch import left_padding, softmax_only, torch_backward, torch_forward
 
 try:
-    from .lazy_attention_triton import (
-        _backward,
-        _causal_forward,
-        _check_inputs,
-        _forward,
-        _packed_decode,
-        lazy_attention_triton_paged,
-    )
+    from .lazy_attention_triton import _backward, _causal_forward, _check_inputs, _forward, _packed_decode
 except ImportError:  # triton not installed (CPU-only or Hub users): the PyTorch path serves every device
     _forward = None
 
@@ -232,9 +226,9 @@ def _triton_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
                                       _check_inputs(query, key), store_u)
     elif causal:
         key_lengths = torch.full((query.shape[0],), key.shape[2], dtype=torch.int32, device=query.device)
-        (out, lse), u = _packed_decode(query, key, value, tau, distance_bias, q_pos, key_lengths, scaling), None
+        out, lse, u = _packed_decode(query, key, value, tau, distance_bias, q_pos, key_lengths, scaling)
     else:
-        (out, lse, _), u = _forward(query, key, value, tau, distance_bias, q_pos, k_pos, q_seg, k_seg, scaling), None
+        out, lse, u = _forward(query, key, value, tau, distance_bias, q_pos, k_pos, q_seg, k_seg, scaling)
     return out, lse, lse.new_empty(0) if u is None else u
 
 
@@ -266,17 +260,7 @@ def _triton_decode(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
                    distance_bias: torch.Tensor, q_pos: torch.Tensor, key_lengths: torch.Tensor, scaling: float
                    ) -> torch.Tensor:
     """`out [B, Tq, Hq, D]`: query row t of batch row b stands at key index `key_lengths[b] - Tq + t`."""
-    return _packed_decode(query, key, value, tau, distance_bias, q_pos, key_lengths, scaling)[0]
-
-
-def _triton_paged(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, block_table: torch.Tensor,
-                  query_start_loc: torch.Tensor, seq_lens: torch.Tensor, tau: torch.Tensor, distance_bias: torch.Tensor,
-                  scaling: float, max_query_len: int | None, max_seq_len: int | None, num_decodes: int
-                  ) -> torch.Tensor:
-    """`out [T, Hq, D]` of one vLLM step (see `lazy_attention_triton_paged`)."""
-    return lazy_attention_triton_paged(query, (key_cache, value_cache), block_table, query_start_loc, seq_lens, tau,
-                                       distance_bias, scaling, max_query_len=max_query_len, max_seq_len=max_seq_len,
-                                       num_decodes=num_decodes)
+    return _packed_decode(query, key, value, tau, distance_bias, q_pos, key_lengths, scaling).out
 
 
 def _triton_attention_fake(query, key, value, tau, distance_bias, q_pos, k_pos, q_seg, k_seg, causal, store_u,
@@ -298,11 +282,6 @@ def _triton_decode_fake(query, key, value, tau, distance_bias, q_pos, key_length
     return query.new_empty(bsz, q_len, num_heads, dim)
 
 
-def _triton_paged_fake(query, key_cache, value_cache, block_table, query_start_loc, seq_lens, tau, distance_bias,
-                       scaling, max_query_len, max_seq_len, num_decodes):
-    return torch.empty_like(query)
-
-
 def _registered(name: str) -> bool:
     """True when `lazy_llama::<name>` exists already: the installed package and a checkpoint's flat copy of these
     files (trust_remote_code) share the operator registry, and the first one to load registers."""
@@ -321,8 +300,7 @@ def _register() -> None:
         for name, launch, fake in (("triton_attention", _triton_attention, _triton_attention_fake),
                                    ("triton_attention_backward", _triton_attention_backward,
                                     _triton_attention_backward_fake),
-                                   ("triton_decode", _triton_decode, _triton_decode_fake),
-                                   ("triton_paged", _triton_paged, _triton_paged_fake)):
+                                   ("triton_decode", _triton_decode, _triton_decode_fake)):
             # a fake of its own: the launchers' bodies can run on fake tensors only where `wrap_triton` traces
             # (not under TRITON_INTERPRET=1, which launches at once)
             torch.library.triton_op(f"lazy_llama::{name}", launch, mutates_args=()).register_fake(fake)
@@ -376,18 +354,4 @@ def lazy_attention(query, key, value, tau, distance_bias, metadata: LazyMetadata
                                                  metadata.k_seg, kernel == "triton_causal", needs_grad, scaling)[0]
 
 
-def lazy_attention_paged(query, key_cache, value_cache, block_table, query_start_loc, seq_lens, tau, distance_bias,
-                         scaling, max_query_len=None, max_seq_len=None, num_decodes=0) -> torch.Tensor:
-    """One vLLM step against the paged cache with the Triton kernels (`lazy_llama::triton_paged`, forward only).
-
-    query `[T, Hq, D]`; key_cache, value_cache `[num_blocks, Hkv, block_size, D]` views; the other arguments as in
-    `lazy_attention_triton.lazy_attention_triton_paged`. Returns `[T, Hq, D]` in the query dtype.
-    """
-    if _forward is None:
-        raise RuntimeError("lazy_attention_paged runs the Triton kernels: install triton (the project's [gpu] extra).")
-    return torch.ops.lazy_llama.triton_paged(query, key_cache, value_cache, block_table, query_start_loc, seq_lens,
-                                             tau, distance_bias, float(scaling), max_query_len, max_seq_len,
-                                             num_decodes)
-
-
-__all__ = ["BACKEND_ENV", "choose_kernel", "lazy_attention", "lazy_attention_paged", "uses_triton"]
+__all__ = ["BACKEND_ENV", "choose_kernel", "lazy_attention", "uses_triton"]

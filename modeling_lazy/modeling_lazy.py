@@ -277,7 +277,8 @@ class LazyLlamaDecoderLayer(GradientCheckpointingLayer):
 # Files that make a checkpoint self-contained for `trust_remote_code=True` (all flat, sibling imports).
 MODELING_FILES = (
     "modeling_lazy.py", "lazy_attention_ops.py", "lazy_attention_reference.py", "lazy_attention_torch.py",
-    "lazy_attention_triton.py", "lazy_attention_cpu.py",
+    "lazy_attention_triton.py", "lazy_attention_triton_common.py", "lazy_attention_triton_forward.py",
+    "lazy_attention_triton_backward.py", "lazy_attention_triton_decode.py", "lazy_attention_cpu.py",
 )
 AUTO_MAP = {
     "AutoConfig": "configuration_lazy.LazyLlamaConfig",

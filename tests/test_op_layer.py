@@ -236,6 +236,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from modeling_lazy import lazy_attention_ops as ops
 from modeling_lazy.lazy_attention_reference import LazyMetadata
+from lazy_llama_vllm.lazy_attention_paged_op import lazy_attention_paged  # the vLLM plugin's paged operator
 
 assert ops.uses_triton(torch.device("cpu"))
 B, H, HKV, D, W = 2, 4, 2, 16, 8
@@ -279,8 +280,8 @@ found = {
 
 
 def paged(query, key_cache, value_cache, block_table, query_start_loc, seq_lens, tau, bias):
-    return ops.lazy_attention_paged(query, key_cache, value_cache, block_table, query_start_loc, seq_lens, tau, bias,
-                                    D ** -0.5, max_query_len=9, max_seq_len=40, num_decodes=2)
+    return lazy_attention_paged(query, key_cache, value_cache, block_table, query_start_loc, seq_lens, tau, bias,
+                                D ** -0.5, max_query_len=9, max_seq_len=40, num_decodes=2)
 
 
 found["paged step"] = traced(paged, torch.randn(12, H, D), torch.randn(8, HKV, 16, D), torch.randn(8, HKV, 16, D),

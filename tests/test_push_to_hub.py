@@ -37,7 +37,8 @@ from modeling_lazy import LazyLlamaForCausalLM
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 WRITER, OTHER = "hf_alice_write", "hf_bob_write"  # tokens of users "alice" and "bob"
 CODE_FILES = ["configuration_lazy.py", "modeling_lazy.py", "lazy_attention_ops.py", "lazy_attention_torch.py",
-              "lazy_attention_triton.py", "lazy_attention_cpu.py"]
+              "lazy_attention_triton.py", "lazy_attention_triton_common.py", "lazy_attention_triton_forward.py",
+              "lazy_attention_triton_backward.py", "lazy_attention_triton_decode.py", "lazy_attention_cpu.py"]
 AUTO_MAP = {
     "AutoConfig": "configuration_lazy.LazyLlamaConfig",
     "AutoModel": "modeling_lazy.LazyLlamaModel",

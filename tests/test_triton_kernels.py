@@ -18,6 +18,7 @@ The tau and distance_bias gradients come from float32 sums of dS and are held to
 """
 
 import json
+import math
 import os
 import random
 import subprocess
@@ -177,50 +178,65 @@ def reference_case(name):
 
 def ampere_blocks(kernels):
     """The sm80 block table (smaller tiles) on two reference cases: D 64 and D 128, GQA, padding, offsets."""
-    family = kernels._gpu_family
-    kernels._gpu_family = lambda device: "sm80"
+    import modeling_lazy.lazy_attention_triton_common as common  # every launcher asks it for the GPU family
+
+    family = common._gpu_family
+    common._gpu_family = lambda device: "sm80"
     try:
         return {name: reference_case(name)(kernels)
                 for name in ("chunked-prefill-gqa3-bf16", "decode-cache-gqa3-d128-fp32", "gqa3-d128-window-long-fp32")}
     finally:
-        kernels._gpu_family = family
+        common._gpu_family = family
 
 
-def split_k_decode_and_skip_off_match(kernels):
-    """The split-K decode kernels and the no-skipping variants compute the same as the default path."""
+def split_k_decode_matches(kernels):
+    """The split-K decode kernels (several key slices per query tile, combined after) compute the reference."""
     query, key, value, tau, bias, grad = make_inputs(2, 4, 2, 1, 300, 64, 64, torch.float32, [-1.0, 0.3, -3.0, 0])
     meta = int32(metadata(2, 1, 300, pad=[0, 37]))
     scaling = 0.125
     expected = reference(query, key, value, tau, bias, *[m.long() for m in meta], scaling)
     errors = {}
-    for splits, skip in ((1, True), (3, True), (5, False)):
-        out, lse, _ = kernels._forward(query, key, value, tau, bias, *meta, scaling, skip=skip, num_splits=splits)
-        errors[f"splits={splits} skip={skip}"] = relative_error(out, expected)
+    for splits in (1, 3, 5):
+        out = kernels._forward(query, key, value, tau, bias, *meta, scaling, num_splits=splits).out
+        errors[f"splits={splits}"] = relative_error(out, expected)
     assert max(errors.values()) < TOLERANCE[torch.float32], errors
-    query, key, value, tau, bias, grad = make_inputs(1, 2, 1, 40, 40, 64, 16, torch.float32, [-2.0, -1.0])
-    meta = int32(metadata(1, 40, 40))
-    _, lse, _ = kernels._forward(query, key, value, tau, bias, *meta, scaling)
-    on = kernels._backward(grad, query, key, value, tau, bias, *meta, lse, scaling, skip=True)
-    off = kernels._backward(grad, query, key, value, tau, bias, *meta, lse, scaling, skip=False)
-    for a, b in zip(on, off):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     return errors
 
 
-def tile_density_counts(kernels):
-    """Pass 2 visits every visible tile when tau > 0, and skips dead tiles when a strong local bias wins."""
-    length = 256  # 2 query tiles of 128 rows x 4 key tiles of 64
-    query, key, value, _, _, _ = make_inputs(1, 1, 1, length, length, 64, 8, torch.float32, [0.0], q_scale=0.1)
-    meta = as_metadata(*metadata(1, length, length))
-    dense = kernels.lazy_attention_tile_stats(query, key, value, torch.tensor([0.5]), torch.zeros(1, 8), meta, 0.125)
-    block_m, block_n, _, _ = kernels._config("fwd", 64)
-    causal = sum(min(length, (m + 1) * block_m) // block_n for m in range(length // block_m))
-    assert dense[0] == dense[1] == causal, dense
-    local = torch.full((1, 8), -30.0)
-    local[0, :2] = 30.0  # only distances 0 and 1 carry weight
-    sparse = kernels.lazy_attention_tile_stats(query, key, value, torch.tensor([-1.0]), local, meta, 0.125)
-    assert sparse[1] == causal and sparse[0] < sparse[1] and 0 < sparse[2] < 1, sparse
-    return {"dense": dense, "sparse": sparse}
+def general_kernels_skip_dead_value_tiles(kernels):
+    """Block skipping in the general kernels, through their entry points: a chunk of 128 queries after 256 cached
+    keys, a sharp local bias and tau = -1, so every weight of the first 192 keys is 0 for every row (whole key tiles
+    of every kernel's blocks). Their values are NaN here: the forward (one pass; split-K for a decode row) must never
+    read them (a read tile would put NaN in the output), and output and gradients (the backward's Delta, dq and dk/dv
+    kernels take their skipping branch on those tiles) must be the float64 reference's, computed with the real values
+    (those weights are exactly 0): a skipped tile that carried weight would show as a wrong result."""
+    q_len, k_len, dead, scaling, seed = 128, 384, 192, 0.125, fresh_seed()
+    query, key, value, tau, bias, grad = make_inputs(1, 2, 1, q_len, k_len, 64, 8, torch.float32, [-1.0, -1.0], 0.1,
+                                                     seed)
+    bias[:, :2] = 8.0  # distances 0 and 1 carry the weight, the rest of the window none
+    bias[:, 2:] = -30.0
+    meta = metadata(1, q_len, k_len)
+    for kind in ("fwd", "delta", "dq", "dkdv", "decode"):
+        assert dead % kernels._config(kind, 64)[1] == 0, kind  # whole key tiles
+    ref_leaves = [x.detach().double().requires_grad_() for x in (query, key, value, tau, bias)]
+    expected = reference(*ref_leaves, *meta, scaling)
+    expected.backward(grad.double())
+    poisoned = value.clone()
+    poisoned[:, :, :dead] = float("nan")
+    leaves = [x.clone().requires_grad_() for x in (query, key, poisoned, tau, bias)]
+    out = kernels.lazy_attention_triton(*leaves, as_metadata(*meta), scaling)  # not causal: the general kernels
+    out.backward(grad)
+    errors = {"out": relative_error(out.detach(), expected.detach())}
+    for name, leaf, ref in zip(("dq", "dk", "dv", "dtau", "dbias"), leaves, ref_leaves):
+        errors[name] = relative_error(leaf.grad, ref.grad)
+    row = int32(metadata(1, 1, k_len))
+    expected_row = reference(query[:, :, -1:], key, value, tau, bias, *[m.long() for m in row], scaling)
+    for splits in (1, 3):
+        out = kernels._forward(query[:, :, -1:], key, poisoned, tau, bias, *row, scaling, num_splits=splits).out
+        errors[f"decode splits={splits}"] = relative_error(out, expected_row)
+    assert all(math.isfinite(e) for e in errors.values()), (seed, errors)
+    assert max(errors.values()) < TOLERANCE[torch.float32], (seed, errors)
+    return {"seed": seed, **errors}
 
 
 def dead_rows_and_longer_key_buffer(kernels):
@@ -265,19 +281,21 @@ def causal_fast_path(kernels):
     sequence, odd lengths, GQA, tau of both signs, D 64 and 128, a chunked prefill after cached keys (key offset),
     and both block tables."""
     import modeling_lazy.lazy_attention_ops as ops  # the op layer launches what its decision table picks
+    import modeling_lazy.lazy_attention_triton_backward as backward_kernels  # `_backward` calls `_causal_backward`
+    import modeling_lazy.lazy_attention_triton_common as common  # every launcher asks it for the GPU family
 
     calls = []
-    forward, backward, family = ops._causal_forward, kernels._causal_backward, kernels._gpu_family
+    forward, backward, family = ops._causal_forward, backward_kernels._causal_backward, common._gpu_family
     ops._causal_forward = lambda *args: calls.append("forward") or forward(*args)
-    kernels._causal_backward = lambda *args: calls.append("backward") or backward(*args)
+    backward_kernels._causal_backward = lambda *args: calls.append("backward") or backward(*args)
     try:
         errors = {}
         for name, (dtype, bsz, heads, kv_heads, q_len, k_len, dim, window, tau, blocks) in CAUSAL_CASES.items():
-            kernels._gpu_family = lambda device, blocks=blocks: blocks
+            common._gpu_family = lambda device, blocks=blocks: blocks
             inputs = make_inputs(bsz, heads, kv_heads, q_len, k_len, dim, window, dtype, tau)
             errors[name] = check(kernels, inputs, metadata(bsz, q_len, k_len), dtype, causal=True)
     finally:
-        ops._causal_forward, kernels._causal_backward, kernels._gpu_family = forward, backward, family
+        ops._causal_forward, backward_kernels._causal_backward, common._gpu_family = forward, backward, family
     assert calls == ["forward", "backward"] * len(CAUSAL_CASES), calls
     return errors
 
@@ -289,13 +307,14 @@ def causal_forward_stores_u(kernels):
     `lazy_attention_triton` U is stored only with grad mode on (under no_grad tau and distance_bias still require
     grad, but no backward can follow)."""
     import modeling_lazy.lazy_attention_ops as ops  # the op layer launches what its decision table picks
+    import modeling_lazy.lazy_attention_triton_common as common  # every launcher asks it for the GPU family
 
     errors, stored = {}, []
     cases = {"sm90-three-ranges": (150, 150, 64, 16, "sm90"), "sm80-after-cache-d128": (40, 100, 128, 24, "sm80")}
-    family, forward = kernels._gpu_family, ops._causal_forward
+    family, forward = common._gpu_family, ops._causal_forward
     try:
         for name, (q_len, k_len, dim, window, blocks) in cases.items():
-            kernels._gpu_family = lambda device, blocks=blocks: blocks
+            common._gpu_family = lambda device, blocks=blocks: blocks
             query, key, value, tau, bias, _ = make_inputs(1, 2, 1, q_len, k_len, dim, window, torch.float32,
                                                           [0.4, -0.5])
             meta, scaling = metadata(1, q_len, k_len), dim ** -0.5
@@ -313,7 +332,7 @@ def causal_forward_stores_u(kernels):
             kernels.lazy_attention_triton(query, key, value, *params, as_metadata(*meta, causal=True), scaling)
         kernels.lazy_attention_triton(query, key, value, *params, as_metadata(*meta, causal=True), scaling)
     finally:
-        kernels._gpu_family, ops._causal_forward = family, forward
+        common._gpu_family, ops._causal_forward = family, forward
     assert stored == [False, True], stored
     assert max(errors.values()) < TOLERANCE[torch.float32], errors
     return errors
@@ -388,8 +407,8 @@ def packed_decode_matches_reference(kernels):
         expected = decode_reference(query, key, value, tau, bias, case.lengths, case.shift, scaling)
         lengths = torch.tensor(case.lengths, dtype=torch.int32)
         q_pos = (lengths[:, None] - case.q_len + torch.arange(case.q_len) + torch.tensor(case.shift)[:, None])
-        out, lse = kernels._packed_decode(query, key, value, tau, bias, q_pos.to(torch.int32).contiguous(), lengths,
-                                          scaling, num_splits=case.splits)
+        out, lse, _ = kernels._packed_decode(query, key, value, tau, bias, q_pos.to(torch.int32).contiguous(), lengths,
+                                             scaling, num_splits=case.splits)
         assert out.dtype == case.dtype and out.shape == expected.shape and torch.isfinite(lse).all()
         errors[name] = relative_error(out, expected)
         assert errors[name] < TOLERANCE[case.dtype], (name, errors)
@@ -409,8 +428,8 @@ def packed_decode_skips_dead_value_tiles(kernels):
     value[:, :, :dead // block_n * block_n] = float("nan")
     errors = {"seed": seed}
     for splits in (1, 2):
-        out, _ = kernels._packed_decode(query, key, value, tau, bias, torch.tensor([[598, 599]], dtype=torch.int32),
-                                        torch.tensor([600], dtype=torch.int32), 0.125, num_splits=splits)
+        out = kernels._packed_decode(query, key, value, tau, bias, torch.tensor([[598, 599]], dtype=torch.int32),
+                                     torch.tensor([600], dtype=torch.int32), 0.125, num_splits=splits).out
         errors[splits] = relative_error(out, expected)
     assert max(errors[1], errors[2]) < TOLERANCE[torch.float32], errors
     return errors
@@ -442,6 +461,8 @@ def paged_decode_matches_contiguous_and_reference(kernels):
     """`lazy_attention_triton_paged_decode` on a vLLM-layout cache (K and V in one tensor, NaN in every slot no
     request owns) with a shuffled block table and ragged lengths (shorter than a block, a block multiple), against
     the float64 reference and the contiguous packed decode; also paged with several splits."""
+    import lazy_llama_vllm.lazy_attention_paged_triton as paged  # the vLLM plugin's entry points
+
     seed = fresh_seed()
     errors = {"seed": seed}
     for dtype, heads, kv_heads, dim, lengths, page, max_seq_len in (
@@ -454,19 +475,19 @@ def paged_decode_matches_contiguous_and_reference(kernels):
         cache, table = paged_cache(key, value, lengths, page, max_blocks, seed)
         seq_lens = torch.tensor(lengths, dtype=torch.int32)
         scaling = dim ** -0.5
-        out = kernels.lazy_attention_triton_paged_decode(query[:, :, 0], cache, table, seq_lens, tau, bias, scaling,
-                                                         max_seq_len=max_seq_len)
+        out = paged.lazy_attention_triton_paged_decode(query[:, :, 0], cache, table, seq_lens, tau, bias, scaling,
+                                                       max_seq_len=max_seq_len)
         expected = decode_reference(query, key, value, tau, bias, lengths, [0] * requests, scaling)[:, 0]
-        contiguous, _ = kernels._packed_decode(query, key.nan_to_num(), value, tau, bias, (seq_lens - 1)[:, None],
-                                               seq_lens, scaling)
-        split, _ = kernels._packed_decode(query, cache[..., :dim], cache[..., dim:], tau, bias,
-                                          (seq_lens - 1)[:, None], seq_lens, scaling, num_splits=3, block_table=table)
+        contiguous = kernels._packed_decode(query, key.nan_to_num(), value, tau, bias, (seq_lens - 1)[:, None],
+                                            seq_lens, scaling).out
+        split = kernels._packed_decode(query, cache[..., :dim], cache[..., dim:], tau, bias,
+                                       (seq_lens - 1)[:, None], seq_lens, scaling, num_splits=3, block_table=table).out
         assert out.shape == (requests, heads, dim) and out.dtype == dtype
         # the same cache with pages that hold a block's keys, then its values, passed as a (K, V) pair of views
         page_major = torch.cat([cache[..., :dim], cache[..., dim:]], dim=2)
         halves = (page_major[:, :, :page], page_major[:, :, page:])
-        assert torch.equal(kernels.lazy_attention_triton_paged_decode(query[:, :, 0], halves, table, seq_lens, tau,
-                                                                      bias, scaling, max_seq_len=max_seq_len), out)
+        assert torch.equal(paged.lazy_attention_triton_paged_decode(query[:, :, 0], halves, table, seq_lens, tau,
+                                                                    bias, scaling, max_seq_len=max_seq_len), out)
         name = f"{dtype}-d{dim}-page{page}"
         errors[name] = {"reference": relative_error(out, expected),
                         "contiguous": relative_error(out, contiguous[:, 0].double()),
@@ -526,15 +547,18 @@ def paged_prefill_mixed_batch(kernels):
     shorter than the longest request (all three key ranges), both block tables, a shuffled block table, NaN in every
     cache slot no request owns. Also a batch of decode tokens only (`max_query_len=1`) and the batch with its decode
     tokens first (`num_decodes=2`): those run the packed decode."""
+    import lazy_llama_vllm.lazy_attention_paged_triton as paged  # the vLLM plugin's entry points and launchers
+    import modeling_lazy.lazy_attention_triton_common as common  # every launcher asks it for the GPU family
+
     seed = fresh_seed()
     errors = {"seed": seed}
-    family, prefill, decode_kernels = kernels._gpu_family, kernels._paged_prefill, kernels._packed_decode
+    family, prefill, decode_kernels = common._gpu_family, paged._paged_prefill, paged._packed_decode
     calls = []
-    kernels._paged_prefill = lambda *args: calls.append("prefill") or prefill(*args)
-    kernels._packed_decode = lambda *args, **kw: calls.append("decode") or decode_kernels(*args, **kw)
+    paged._paged_prefill = lambda *args: calls.append("prefill") or prefill(*args)
+    paged._packed_decode = lambda *args, **kw: calls.append("decode") or decode_kernels(*args, **kw)
     try:
         for name, case in PAGED_CASES.items():
-            kernels._gpu_family = lambda device, chosen=case.family: chosen
+            common._gpu_family = lambda device, chosen=case.family: chosen
             decodes_first = sorted(PAGED_REQUESTS, key=lambda request: request[0] > 1)
             for requests, num_decodes in ((PAGED_REQUESTS, 0), ([(1, n) for _, n in PAGED_REQUESTS], 0),
                                           (decodes_first, 2)):
@@ -550,14 +574,14 @@ def paged_prefill_mixed_batch(kernels):
                 starts = torch.tensor([0, *q_lens]).cumsum(0).to(torch.int32)
                 scaling = case.head_dim ** -0.5
                 decode = max(q_lens) == 1
-                out = kernels.lazy_attention_triton_paged(query, cache, table, starts, torch.tensor(lengths), tau,
-                                                          bias, scaling, 1 if decode else case.max_query_len,
-                                                          num_decodes=num_decodes)
+                out = paged.lazy_attention_triton_paged(query, cache, table, starts, torch.tensor(lengths), tau,
+                                                        bias, scaling, 1 if decode else case.max_query_len,
+                                                        num_decodes=num_decodes)
                 assert out.shape == query.shape and out.dtype == case.dtype
                 if num_decodes:  # keys then values per page, as a (K, V) pair of views: the same result
                     page_major = torch.cat([cache[..., :case.head_dim], cache[..., case.head_dim:]], dim=2)
                     halves = (page_major[:, :, :case.page], page_major[:, :, case.page:])
-                    assert torch.equal(kernels.lazy_attention_triton_paged(
+                    assert torch.equal(paged.lazy_attention_triton_paged(
                         query, halves, table, starts, torch.tensor(lengths), tau, bias, scaling, case.max_query_len,
                         num_decodes=num_decodes), out)
                 for r, (q_len, length) in enumerate(requests):
@@ -571,7 +595,7 @@ def paged_prefill_mixed_batch(kernels):
                     errors[label] = relative_error(out[rows], expected)
                     assert errors[label] < TOLERANCE[case.dtype], (label, errors)
     finally:
-        kernels._gpu_family, kernels._paged_prefill, kernels._packed_decode = family, prefill, decode_kernels
+        common._gpu_family, paged._paged_prefill, paged._packed_decode = family, prefill, decode_kernels
     assert calls == ["prefill", "decode", "decode", "prefill", "decode", "prefill"] * len(PAGED_CASES), calls
     return errors
 
@@ -629,8 +653,8 @@ def model_greedy_generation_matches_eager(kernels):
 CASES = {
     **{f"reference-{name}": reference_case(name) for name in REFERENCE_CASES},
     "sm80-block-table": ampere_blocks,
-    "split-k-decode-and-skip-off": split_k_decode_and_skip_off_match,
-    "tile-density-counts": tile_density_counts,
+    "split-k-decode": split_k_decode_matches,
+    "general-kernels-skip-dead-value-tiles": general_kernels_skip_dead_value_tiles,
     "dead-rows-and-longer-key-buffer": dead_rows_and_longer_key_buffer,
     "causal-fast-path": causal_fast_path,
     "causal-forward-stores-u": causal_forward_stores_u,

@@ -1,0 +1,384 @@
+"""Lazy Attention Triton kernels, shared room: constants, block table, build list, shared jit helpers, launch helpers.
+
+The Triton code lives in flat files (a checkpoint carries them beside `modeling_lazy.py`; they import each other
+relatively, so `trust_remote_code` finds every one). Open:
+
+    lazy_attention_triton.py           the entry point `lazy_attention_triton` and the map of the kernels
+    lazy_attention_triton_common.py    this file: the triton import guard, the constants (MAX_HEAD_DIM, DECODE_MAX_ROWS,
+                                       SPLIT_MIN_KEYS, DEAD_ROW_LSE, LOG2E), the block table `_CONFIGS` (`_config`,
+                                       `_launch_config`), the ahead-of-time build list `AOT_BUILDS` with each
+                                       kernel's file and pointer types (`AOT_KERNELS`), the `@triton.jit` helpers more
+                                       than one family calls, the launchers' input checks and stride helpers, and the
+                                       named results `ForwardResult` / `BackwardResult`
+    lazy_attention_triton_forward.py   the general forward (and its split-K decode) and the causal fast-path forward
+    lazy_attention_triton_backward.py  the general backward and the causal fast-path backward
+    lazy_attention_triton_decode.py    the packed decode (plain layout and paged caches)
+    lazy_attention_ops.py              the operators and the table that picks a launcher for each call
+    lazy_llama_vllm/lazy_attention_paged_triton.py   vLLM's paged prefill kernel and its entry points, and
+    lazy_llama_vllm/lazy_attention_paged_op.py       their operator (the vLLM plugin's; not shipped with checkpoints)
+
+Math and design: docs/design.md; the kernel map: lazy_attention_triton.py's docstring.
+
+Under TRITON_INTERPRET=1 (set before import) the kernels run on CPU tensors; 16-bit operands are upcast to float32
+before `tl.dot` on that path only (the interpreter's bf16 dot is wrong).
+"""
+
+import os
+from typing import NamedTuple
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError as error:  # modeling_lazy catches this and serves every device with the PyTorch path
+    raise ImportError(
+        "lazy_attention_triton needs the `triton` package (pip install triton, or the project's [gpu] extra); "
+        "without it LazyLlama uses its PyTorch attention path."
+    ) from error
+
+import torch
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+# ---------------------------------------------------------------------------------------------------
+# Constants
+# ---------------------------------------------------------------------------------------------------
+MAX_HEAD_DIM = 256
+DECODE_MAX_ROWS = 16  # lazy_attention_reference.DECODE_MAX_ROWS (these files are also loaded alone, ahead of time)
+SPLIT_MIN_KEYS = 256  # a split-K slice covers at least this many keys
+# Row log-sum-exp stored for a row without a normaliser (every visible score -inf, or nothing visible): p = 0 on
+# every key, and `_row_threshold` turns tau/n into a large negative, so every weight a_ij of that row is 0.
+DEAD_ROW_LSE = 3.0e38
+_DEAD_ROW_LSE = tl.constexpr(DEAD_ROW_LSE)  # the same value as the kernels see it
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+# ---------------------------------------------------------------------------------------------------
+# Block configurations (the ones shipped; tests/test_triton_aot.py compiles every one for sm_80/sm_90).
+# ---------------------------------------------------------------------------------------------------
+
+# GPU family -> (kernel kind, padded head dim) -> (BLOCK_M, BLOCK_N, num_warps, num_stages). Padded head
+# dims up to 64 use the 64 rows, larger ones the 128 rows (256 runs but is not tuned). Chosen so that no
+# build spills registers (tests/test_triton_aot.py); Ampere's mma.sync keeps more of each tile in
+# registers than Hopper's wgmma, so its tiles are smaller. Other GPUs use the sm80 table.
+_CONFIGS = {
+    "sm90": {
+        ("fwd", 64): (128, 64, 8, 2),
+        ("fwd", 128): (128, 32, 8, 2),
+        ("causal_fwd", 64): (128, 64, 8, 2),
+        ("causal_fwd", 128): (128, 64, 8, 2),
+        ("causal_fwd_u", 64): (128, 64, 8, 2),
+        ("causal_fwd_u", 128): (128, 32, 8, 2),
+        ("paged_fwd", 64): (128, 64, 8, 2),
+        ("paged_fwd", 128): (128, 64, 8, 2),
+        ("decode", 64): (16, 64, 4, 2),
+        ("decode", 128): (16, 64, 4, 2),
+        ("packed_decode", 64): (16, 128, 4, 3),
+        ("packed_decode", 128): (16, 128, 4, 3),
+        ("delta", 64): (64, 64, 4, 2),
+        ("delta", 128): (64, 64, 8, 2),
+        ("dq", 64): (64, 64, 4, 2),
+        ("dq", 128): (64, 64, 8, 2),
+        ("dkdv", 64): (128, 32, 8, 2),
+        ("dkdv", 128): (128, 32, 8, 2),
+        ("causal_delta", 64): (64, 0, 4, 1),
+        ("causal_delta", 128): (32, 0, 4, 1),
+        ("causal_dq", 64): (128, 64, 8, 2),
+        ("causal_dq", 128): (128, 32, 8, 2),
+        ("causal_dkdv", 64): (64, 64, 4, 2),
+        ("causal_dkdv", 128): (32, 128, 8, 2),
+    },
+    "sm80": {
+        ("fwd", 64): (64, 64, 8, 2),
+        ("fwd", 128): (64, 32, 8, 2),
+        ("causal_fwd", 64): (128, 64, 8, 2),
+        ("causal_fwd", 128): (64, 32, 4, 2),
+        ("causal_fwd_u", 64): (128, 32, 8, 2),
+        ("causal_fwd_u", 128): (64, 32, 8, 2),
+        ("paged_fwd", 64): (128, 64, 8, 2),
+        ("paged_fwd", 128): (64, 32, 4, 2),
+        ("decode", 64): (16, 64, 4, 2),
+        ("decode", 128): (16, 64, 4, 2),
+        ("packed_decode", 64): (16, 128, 4, 3),
+        ("packed_decode", 128): (16, 128, 4, 3),
+        ("delta", 64): (64, 64, 4, 2),
+        ("delta", 128): (64, 64, 8, 2),
+        ("dq", 64): (64, 32, 8, 2),
+        ("dq", 128): (64, 32, 8, 2),
+        ("dkdv", 64): (64, 32, 8, 2),
+        ("dkdv", 128): (32, 64, 8, 2),
+        ("causal_delta", 64): (64, 0, 4, 1),
+        ("causal_delta", 128): (32, 0, 4, 1),
+        ("causal_dq", 64): (64, 32, 8, 2),
+        ("causal_dq", 128): (64, 32, 8, 2),
+        ("causal_dkdv", 64): (64, 64, 8, 2),
+        ("causal_dkdv", 128): (32, 64, 8, 2),
+    },
+}
+
+
+def _gpu_family(device: torch.device) -> str:
+    """`"sm90"` for Hopper and newer, `"sm80"` for older GPUs; the interpreter (CPU) runs the sm90 blocks."""
+    if device.type == "cuda" and torch.cuda.is_available() and torch.cuda.get_device_capability(device)[0] < 9:
+        return "sm80"
+    return "sm90"
+
+
+def _config(kind: str, block_d: int, family: str = "sm90") -> tuple[int, int, int, int]:
+    return _CONFIGS[family][(kind, 64 if block_d <= 64 else 128)]
+
+
+def _launch_config(kind: str, block_d: int, device: torch.device) -> tuple[int, int, int, int]:
+    """`_config` for the GPU family of `device` (what every launcher calls: one place picks the family)."""
+    return _config(kind, block_d, _gpu_family(device))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Ahead-of-time build list: every kernel at every block kind it ships with (benchmarks/aot_compile_table.py
+# compiles each for sm_80 and sm_90 and both head dims; tests/test_triton_aot.py checks them for spills).
+# ---------------------------------------------------------------------------------------------------
+
+# Element type of each pointer argument, per kernel: "input" is the query's dtype (float16, bfloat16, float32).
+_GENERAL = dict(Q="input", K="input", V="input", TAU="fp32", BIAS="fp32", QPOS="i32", KPOS="i32", QSEG="i32",
+                KSEG="i32")
+_CAUSAL = dict(Q="input", K="input", V="input", TAU="fp32", BAND="fp32", QPOS="i32")
+AOT_KERNELS = {  # kernel -> (module that defines it, pointer element types)
+    "_lazy_fwd_kernel": ("modeling_lazy.lazy_attention_triton_forward", dict(_GENERAL, OUT="input", LSE="fp32")),
+    "_lazy_fwd_split_lse_kernel": ("modeling_lazy.lazy_attention_triton_forward",
+                                   dict(_GENERAL, M_PART="fp32", L_PART="fp32")),
+    "_lazy_fwd_split_out_kernel": ("modeling_lazy.lazy_attention_triton_forward",
+                                   dict(_GENERAL, LSE="fp32", O_PART="fp32")),
+    "_lazy_causal_fwd_kernel": ("modeling_lazy.lazy_attention_triton_forward",
+                                dict(_CAUSAL, OUT="input", LSE="fp32", U="fp32")),
+    "_lazy_paged_fwd_kernel": ("lazy_llama_vllm.lazy_attention_paged_triton",
+                               dict(_CAUSAL, BLOCK_TABLE="i32", QUERY_START="i32", KLEN="i32", TILES="i32",
+                                    OUT="input")),
+    "_lazy_decode_lse_kernel": ("modeling_lazy.lazy_attention_triton_decode",
+                                dict(Q="input", K="input", BAND="fp32", KLEN="i32", BLOCK_TABLE="i32", SCORES="fp32",
+                                     M_PART="fp32", L_PART="fp32")),
+    "_lazy_decode_out_kernel": ("modeling_lazy.lazy_attention_triton_decode",
+                                dict(V="input", TAU="fp32", QPOS="i32", KLEN="i32", BLOCK_TABLE="i32", SCORES="fp32",
+                                     LSE2="fp32", O_PART="fp32")),
+    "_lazy_bwd_delta_kernel": ("modeling_lazy.lazy_attention_triton_backward",
+                               dict(_GENERAL, LSE="fp32", DO="input", DELTA="fp32", DTAU_PART="fp32")),
+    "_lazy_bwd_dq_kernel": ("modeling_lazy.lazy_attention_triton_backward",
+                            dict(_GENERAL, LSE="fp32", DO="input", DELTA="fp32", DQ="input")),
+    "_lazy_bwd_dkdv_kernel": ("modeling_lazy.lazy_attention_triton_backward",
+                              dict(_GENERAL, LSE="fp32", DELTA="fp32", DO="input", DK="input", DV="input",
+                                   DBIAS_PART="fp32")),
+    "_lazy_causal_bwd_delta_kernel": ("modeling_lazy.lazy_attention_triton_backward",
+                                      dict(OUT="input", U="fp32", DO="input", TAU="fp32", QPOS="i32", DELTA="fp32",
+                                           DTAU_PART="fp32")),
+    "_lazy_causal_bwd_dq_kernel": ("modeling_lazy.lazy_attention_triton_backward",
+                                   dict(_CAUSAL, QSEG="i32", LSE="fp32", DO="input", DELTA="fp32", DQ="input",
+                                        DBIAS_PART="fp32")),
+    "_lazy_causal_bwd_dkdv_kernel": ("modeling_lazy.lazy_attention_triton_backward",
+                                     dict(_CAUSAL, LSE="fp32", DELTA="fp32", DO="input", DK="input", DV="input")),
+}
+
+
+class AotBuild(NamedTuple):
+    """One shipped build: `kernel` (an `AOT_KERNELS` name) at the `_CONFIGS` block kind `kind`."""
+
+    kernel: str
+    kind: str
+    matmul: bool = True  # uses tl.dot (so sm_90 with 16-bit inputs must use wgmma)
+    page_size: int = 0  # PAGE_SIZE (> 0: K/V through a block table of pages of that many keys)
+
+
+AOT_BUILDS = (
+    AotBuild("_lazy_fwd_kernel", "fwd"),
+    AotBuild("_lazy_causal_fwd_kernel", "causal_fwd"),
+    AotBuild("_lazy_causal_fwd_kernel", "causal_fwd_u"),
+    AotBuild("_lazy_paged_fwd_kernel", "paged_fwd", page_size=16),
+    AotBuild("_lazy_fwd_kernel", "decode"),
+    AotBuild("_lazy_fwd_split_lse_kernel", "decode"),
+    AotBuild("_lazy_fwd_split_out_kernel", "decode"),
+    AotBuild("_lazy_decode_lse_kernel", "packed_decode"),
+    AotBuild("_lazy_decode_out_kernel", "packed_decode"),
+    AotBuild("_lazy_decode_lse_kernel", "packed_decode", page_size=16),
+    AotBuild("_lazy_decode_out_kernel", "packed_decode", page_size=16),
+    AotBuild("_lazy_bwd_delta_kernel", "delta"),
+    AotBuild("_lazy_bwd_dq_kernel", "dq"),
+    AotBuild("_lazy_bwd_dkdv_kernel", "dkdv"),
+    AotBuild("_lazy_causal_bwd_delta_kernel", "causal_delta", matmul=False),
+    AotBuild("_lazy_causal_bwd_dq_kernel", "causal_dq"),
+    AotBuild("_lazy_causal_bwd_dkdv_kernel", "causal_dkdv"),
+)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Named launcher results
+# ---------------------------------------------------------------------------------------------------
+
+
+class ForwardResult(NamedTuple):
+    """What a forward launcher returns: `out [B, Tq, Hq, D]` in the query dtype, `lse [B, Hq, Tq]` float32 (the
+    causal fast path's in log2 units, the others' in natural units; DEAD_ROW_LSE for a row without a normaliser),
+    and `u [B, Tq, Hq, D]` float32 (`U_i = sum_j m_ij v_j`, the causal training forward's only, else None)."""
+
+    out: torch.Tensor
+    lse: torch.Tensor
+    u: torch.Tensor | None = None
+
+
+class BackwardResult(NamedTuple):
+    """What a backward launcher returns: the gradients of query, key, value (their dtypes and shapes), and of tau
+    `[Hq]` and distance_bias `[Hq, W]` in float32."""
+
+    dq: torch.Tensor
+    dk: torch.Tensor
+    dv: torch.Tensor
+    d_tau: torch.Tensor
+    d_bias: torch.Tensor
+
+
+# ---------------------------------------------------------------------------------------------------
+# Shared jit helpers (general kernels: per-key metadata; causal fast path and decode: loop bounds and a band)
+# ---------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _dot(a, b, UPCAST: tl.constexpr, PRECISION: tl.constexpr, acc=None):
+    """`acc + a @ b` (acc None: 0) with a float32 accumulator (operands upcast on the interpreter only)."""
+    if UPCAST:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
+    else:
+        return tl.dot(a, b, acc, input_precision=PRECISION)
+
+
+@triton.jit
+def _visible(q_seg, q_key_idx, KSEG, keys, Tk):
+    """`[BM, BN]` bool: same segment and causal; `keys` are key indices, `q_key_idx` query rows in key coords."""
+    k_seg = tl.load(KSEG + keys, mask=keys < Tk, other=-3)
+    return (q_seg[:, None] == k_seg[None, :]) & (keys[None, :] <= q_key_idx[:, None])
+
+
+@triton.jit
+def _load_rows(ptr, stride, idx, offs_d, n, D: tl.constexpr):
+    """`[len(idx), BLOCK_D]` tile of rows `idx` (< n) of a `[n, D]` matrix with row stride `stride`; 0 padded."""
+    return tl.load(ptr + idx[:, None] * stride + offs_d[None, :], mask=(idx[:, None] < n) & (offs_d[None, :] < D),
+                   other=0.0)
+
+
+@triton.jit
+def _scores(q, k, KPOS, bias_row, q_pos, visible, keys, Tk, W, scaling,
+            UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    """`[BM, BN]` float32 scores `scaling * q k^T + beta(pos_i - pos_j)`, -inf where not visible."""
+    s = _dot(q, tl.trans(k), UPCAST, PRECISION) * scaling
+    k_pos = tl.load(KPOS + keys, mask=keys < Tk, other=0)
+    dist = q_pos[:, None] - k_pos[None, :]
+    s += tl.load(bias_row + dist, mask=visible & (dist >= 0) & (dist < W), other=0.0)
+    return tl.where(visible, s, float("-inf"))
+
+
+@triton.jit
+def _row_threshold(tau_h, q_pos, lse):
+    """`tau_h / n_i` in float32 for a row with a normaliser; -1e30 (every weight 0) for a dead row."""
+    return tl.where(lse < 1.0e38, tau_h / (q_pos + 1).to(tl.float32), -1.0e30)
+
+
+@triton.jit
+def _causal_key_ranges(m0, Tq, Tk, W, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """`(far, full, hi)` key bounds of the query rows [m0, m0 + BM) (see the section comment)."""
+    offset = Tk - Tq
+    hi = tl.minimum(Tk, m0 + BLOCK_M + offset)
+    full = (m0 + offset + 1) // BLOCK_N * BLOCK_N  # keys below it are visible to row m0, hence to every row
+    far = tl.maximum(m0 + offset - W + 1, 0) // BLOCK_N * BLOCK_N  # keys below it are >= W behind every row
+    return far, full, hi
+
+
+@triton.jit
+def _load_keys(ptr, stride, keys, offs_d, Tk, D: tl.constexpr, BLOCK_D: tl.constexpr, MASK_KEYS: tl.constexpr,
+               BT=None, stride_b=0, PAGE_SIZE: tl.constexpr = 0):
+    """`[BN, BLOCK_D]` rows `keys` of a `[Tk, D]` matrix; only the tiles at the causal limit can pass Tk.
+    PAGE_SIZE > 0: of a paged cache (`_cache_rows`: block table `BT`, `stride_b` between blocks)."""
+    if PAGE_SIZE > 0:
+        ptrs = ptr + _cache_rows(BT, keys, Tk, 0, stride_b, stride, PAGE_SIZE)[:, None] + offs_d[None, :]
+    else:
+        ptrs = ptr + keys[:, None] * stride + offs_d[None, :]
+    if MASK_KEYS:
+        return tl.load(ptrs, mask=(keys[:, None] < Tk) & (offs_d[None, :] < D), other=0.0)
+    elif D < BLOCK_D:
+        return tl.load(ptrs, mask=offs_d[None, :] < D, other=0.0)
+    else:
+        return tl.load(ptrs)
+
+
+@triton.jit
+def _causal_scores(q, k, band, start_n, diagonal, scale_log2, BIAS: tl.constexpr, BIAS_FIRST: tl.constexpr,
+                   UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    """`[BM, BN]` float32 scores in log2 units; `band - start_n + diagonal` points at each entry's band value:
+    in q.k units starting the q k^T accumulator (`BIAS_FIRST`, pass 1), or in log2 units added after it."""
+    if BIAS and BIAS_FIRST:
+        return _dot(q, tl.trans(k), UPCAST, PRECISION, tl.load(band - start_n + diagonal)) * scale_log2
+    elif BIAS:
+        return _dot(q, tl.trans(k), UPCAST, PRECISION) * scale_log2 + tl.load(band - start_n + diagonal)
+    else:
+        return _dot(q, tl.trans(k), UPCAST, PRECISION) * scale_log2
+
+
+@triton.jit
+def _cache_rows(BT, keys, k_len, base, stride_b, stride_t, PAGE_SIZE: tl.constexpr):
+    """int64 `[BN]` offsets of the cache rows of `keys` of one (batch row, KV head); `base`: the head's offset plus,
+    contiguous, the batch row's; paged, each key's block comes from the batch row's block table `BT`."""
+    if PAGE_SIZE > 0:
+        block = tl.load(BT + keys // PAGE_SIZE, mask=keys < k_len, other=0).to(tl.int64)
+        return base + block * stride_b + (keys % PAGE_SIZE) * stride_t
+    else:
+        return base + keys.to(tl.int64) * stride_t
+
+
+# ---------------------------------------------------------------------------------------------------
+# Launch helpers
+# ---------------------------------------------------------------------------------------------------
+
+_DOT_PRECISION = {torch.float32: "ieee", torch.float16: "tf32", torch.bfloat16: "tf32"}
+
+
+def _check_inputs(query: torch.Tensor, key: torch.Tensor) -> int:
+    """The padded head dimension (power of two, >= 16); refuses what the kernels cannot run."""
+    if query.dtype not in _DOT_PRECISION or key.dtype != query.dtype:
+        raise TypeError(
+            f"lazy_attention_triton runs float16, bfloat16 and float32 (query and key alike); got "
+            f"{query.dtype} / {key.dtype}. Use LAZY_LLAMA_BACKEND=torch for other dtypes (e.g. float64)."
+        )
+    dim = query.shape[-1]
+    if dim > MAX_HEAD_DIM:
+        raise ValueError(f"lazy_attention_triton supports head_dim <= {MAX_HEAD_DIM}, got {dim}; "
+                         "use LAZY_LLAMA_BACKEND=torch.")
+    if query.shape[1] % key.shape[1]:
+        raise ValueError(f"query heads ({query.shape[1]}) must be a multiple of key/value heads ({key.shape[1]}).")
+    return max(16, triton.next_power_of_2(dim))
+
+
+def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def _device_splits(batch_heads: int, q_tiles: int, key_length: int, device: torch.device) -> int:
+    """Split-K factor for short queries: enough programs to fill the GPU, each over >= SPLIT_MIN_KEYS keys."""
+    if device.type != "cuda" or not torch.cuda.is_available():  # CPU (interpreter), or fake CUDA tensors (tracing)
+        return 1
+    programs = batch_heads * q_tiles
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    if programs >= sms:
+        return 1
+    return max(1, min(triton.cdiv(2 * sms, programs), key_length // SPLIT_MIN_KEYS))
+
+
+def _bias_band(distance_bias: torch.Tensor, scaling: float, block_m: int, block_n: int) -> torch.Tensor:
+    """`[2, Hq, W + 2 (BM + BN)]` float32 for the causal fast path: at index `d + BM + BN`, `log2(e) beta_h(d)`
+    (row 0, log2 units) and `beta_h(d) / scaling` (row 1, q.k units); -inf for d < 0 (keys after the row), 0 for
+    d >= W (beyond the window)."""
+    heads, window = distance_bias.shape
+    neg = block_m + block_n
+    bias = distance_bias.detach().to(torch.float32)
+    rows = torch.stack([bias * LOG2E, bias / scaling])  # [2, Hq, W]
+    # built with cat, not slice assignment: Python indexing of fake CUDA tensors fails on a CPU-only build (tracing)
+    return torch.cat([rows.new_full((2, heads, neg), float("-inf")), rows, rows.new_zeros(2, heads, neg)], dim=-1)
+
+
+def _strides(name: str, x: torch.Tensor, b: int = 0, h: int = 1, t: int = 2) -> dict[str, int]:
+    """The kernel keywords `stride_{name}b, stride_{name}h, stride_{name}t` of `x`: its strides along the batch,
+    head and token dims (`[B, H, T, D]` by default; `h=2, t=1` for a `[B, T, H, D]` tensor)."""
+    return {f"stride_{name}b": x.stride(b), f"stride_{name}h": x.stride(h), f"stride_{name}t": x.stride(t)}

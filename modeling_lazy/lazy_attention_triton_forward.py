@@ -1,0 +1,405 @@
+"""Lazy Attention Triton forward kernels and their launchers: the general forward (any layout, with its split-K
+decode) and the causal fast-path forward.
+
+    _lse_pass / _out_pass      the general forward's two passes over key tiles
+    _lazy_fwd_kernel           one query tile: pass 1 (row log-sum-exp), pass 2 (ReLU(p + tau/n) @ V)
+    _lazy_fwd_split_lse_kernel / _lazy_fwd_split_out_kernel
+                               split-K decode: each program covers a slice of the keys; partial (max, sum)
+                               and partial outputs are combined with a few torch ops (no host sync)
+    causal_passes              the causal fast path's two passes for one query tile (shared with vLLM's paged
+                               prefill, lazy_llama_vllm/lazy_attention_paged_triton.py)
+    _lazy_causal_fwd_kernel    the causal fast path (`LazyMetadata.causal`, query length > 16)
+    _forward, _causal_forward  the launchers (`ForwardResult`)
+
+Block skipping (general forward): a key tile with no visible entry for the query tile (other document, padding,
+beyond the causal limit) is skipped in both passes; a key tile whose weights a_ij are all zero after pass 1 is
+skipped in the `a @ V` product (its V tile is never read; deciding needs the tile's scores, so pass 2 still
+computes q k^T). The causal fast path is dense. Shared helpers, constants and the block table:
+lazy_attention_triton_common.py; the backward: lazy_attention_triton_backward.py.
+"""
+
+import torch
+from torch.library import wrap_triton  # a launch torch.compile / make_fx can trace (plain launch in eager)
+
+from .lazy_attention_triton_common import (
+    _DEAD_ROW_LSE,
+    _DOT_PRECISION,
+    _INTERPRET,
+    DEAD_ROW_LSE,
+    DECODE_MAX_ROWS,
+    LOG2E,
+    ForwardResult,
+    _bias_band,
+    _causal_key_ranges,
+    _causal_scores,
+    _check_inputs,
+    _device_splits,
+    _dot,
+    _last_dim_contiguous,
+    _launch_config,
+    _load_keys,
+    _load_rows,
+    _row_threshold,
+    _scores,
+    _strides,
+    _visible,
+    tl,
+    triton,
+)
+
+# ---------------------------------------------------------------------------------------------------
+# General forward (per-key metadata: any padding, packing, key offset)
+# ---------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _lse_pass(q, q_pos, q_seg, q_key_idx, K, stride_kt, KPOS, KSEG, bias_row, lo, hi, Tk, W, scaling,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, D: tl.constexpr,
+              UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    """Pass 1: running row max and sum of exp over the visible keys in [lo, hi)."""
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)  # finite: a fully masked tile keeps exp() at 0, never NaN
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    for start_n in range(lo, hi, BLOCK_N):
+        keys = start_n + offs_n
+        visible = _visible(q_seg, q_key_idx, KSEG, keys, Tk)
+        if tl.max(visible.to(tl.int32)) > 0:  # tile of another document / padding: skipped
+            k = _load_rows(K, stride_kt, keys, offs_d, Tk, D)
+            s = _scores(q, k, KPOS, bias_row, q_pos, visible, keys, Tk, W, scaling, UPCAST, PRECISION)
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            l_i = l_i * tl.exp(m_i - m_new) + tl.sum(tl.exp(s - m_new[:, None]), 1)
+            m_i = m_new
+    return m_i, l_i
+
+
+@triton.jit
+def _out_pass(q, q_pos, q_seg, q_key_idx, lse, threshold, K, V, stride_kt, stride_vt, KPOS, KSEG, bias_row,
+              lo, hi, Tk, W, scaling,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, D: tl.constexpr,
+              UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    """Pass 2: `sum_j ReLU(p_ij + tau/n_i) v_j` over visible keys in [lo, hi) (float32)."""
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for start_n in range(lo, hi, BLOCK_N):
+        keys = start_n + offs_n
+        visible = _visible(q_seg, q_key_idx, KSEG, keys, Tk)
+        if tl.max(visible.to(tl.int32)) > 0:
+            k = _load_rows(K, stride_kt, keys, offs_d, Tk, D)
+            s = _scores(q, k, KPOS, bias_row, q_pos, visible, keys, Tk, W, scaling, UPCAST, PRECISION)
+            p = tl.exp(s - lse[:, None])
+            a = tl.where(visible, tl.maximum(p + threshold[:, None], 0.0), 0.0)  # float32 threshold test
+            if tl.max(a) > 0.0:  # all-zero tile: its value block is never read
+                v = _load_rows(V, stride_vt, keys, offs_d, Tk, D)
+                acc += _dot(a.to(v.dtype), v, UPCAST, PRECISION)
+    return acc
+
+
+@triton.jit
+def _query_tile_setup(Q, QPOS, QSEG, stride_qb, stride_qh, stride_qt, Hq, Tq, Tk, GROUPS, KEYS_PER_SPLIT,
+                 BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, D: tl.constexpr):
+    """Shared prologue of the forward and split-K kernels: one query tile of one head, its keys [lo, hi).
+
+    Grid: (cdiv(Tq, BM), B * Hq[, splits]); `hi` stops at the tile's causal limit (later keys are never visible).
+    """
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    split = tl.program_id(2)
+    b = (pid_bh // Hq).to(tl.int64)
+    h = pid_bh % Hq
+    hk = (h // GROUPS).to(tl.int64)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    row_mask = rows < Tq
+    q = tl.load(Q + b * stride_qb + h.to(tl.int64) * stride_qh + rows[:, None] * stride_qt + offs_d[None, :],
+                mask=row_mask[:, None] & (offs_d[None, :] < D), other=0.0)
+    q_pos = tl.load(QPOS + b * Tq + rows, mask=row_mask, other=0)
+    q_seg = tl.load(QSEG + b * Tq + rows, mask=row_mask, other=-4)
+    offset = Tk - Tq
+    lo = split * KEYS_PER_SPLIT
+    hi = tl.minimum(tl.minimum(Tk, (pid_m + 1) * BLOCK_M + offset), lo + KEYS_PER_SPLIT)
+    return pid_m, pid_bh, split, b, h, hk, rows, row_mask, q, q_pos, q_seg, rows + offset, lo, hi
+
+
+@triton.jit
+def _lazy_fwd_kernel(Q, K, V, TAU, BIAS, QPOS, KPOS, QSEG, KSEG, OUT, LSE,
+                     stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt,
+                     stride_vb, stride_vh, stride_vt, stride_ob, stride_oh, stride_ot,
+                     Hq, Tq, Tk, W, GROUPS, scaling,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, D: tl.constexpr,
+                     UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    """One query tile of one query head: pass 1 (LSE), pass 2 (output). Grid: (cdiv(Tq, BM), B * Hq)."""
+    # One "split" covering every key: lo = 0, hi = the tile's causal limit.
+    _, pid_bh, _, b, h, hk, rows, row_mask, q, q_pos, q_seg, q_key_idx, _, hi = _query_tile_setup(
+        Q, QPOS, QSEG, stride_qb, stride_qh, stride_qt, Hq, Tq, Tk, GROUPS, Tk, BLOCK_M, BLOCK_D, D)
+    offs_d = tl.arange(0, BLOCK_D)
+    K_ = K + b * stride_kb + hk * stride_kh
+    V_ = V + b * stride_vb + hk * stride_vh
+    KPOS_ = KPOS + b * Tk
+    KSEG_ = KSEG + b * Tk
+    bias_row = BIAS + h * W
+
+    m_i, l_i = _lse_pass(q, q_pos, q_seg, q_key_idx, K_, stride_kt, KPOS_, KSEG_, bias_row, 0, hi, Tk, W,
+                         scaling, BLOCK_M, BLOCK_N, BLOCK_D, D, UPCAST, PRECISION)
+    lse = tl.where(l_i > 0.0, m_i + tl.log(tl.where(l_i > 0.0, l_i, 1.0)), _DEAD_ROW_LSE)
+    threshold = _row_threshold(tl.load(TAU + h), q_pos, lse)
+    acc = _out_pass(q, q_pos, q_seg, q_key_idx, lse, threshold, K_, V_, stride_kt, stride_vt, KPOS_, KSEG_,
+                    bias_row, 0, hi, Tk, W, scaling, BLOCK_M, BLOCK_N, BLOCK_D, D, UPCAST, PRECISION)
+    out_ptrs = OUT + b * stride_ob + h.to(tl.int64) * stride_oh + rows[:, None] * stride_ot + offs_d[None, :]
+    tl.store(out_ptrs, acc.to(OUT.dtype.element_ty), mask=row_mask[:, None] & (offs_d[None, :] < D))
+    tl.store(LSE + pid_bh.to(tl.int64) * Tq + rows, lse, mask=row_mask)
+
+
+@triton.jit
+def _lazy_fwd_split_lse_kernel(Q, K, BIAS, QPOS, KPOS, QSEG, KSEG, M_PART, L_PART,
+                               stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt,
+                               Hq, Tq, Tk, W, GROUPS, KEYS_PER_SPLIT, scaling,
+                               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                               D: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    """Split-K pass 1: partial row max / sum of exp for one slice of keys -> M_PART, L_PART [S, B*Hq, Tq]."""
+    pid_m, pid_bh, split, b, h, hk, rows, row_mask, q, q_pos, q_seg, q_key_idx, lo, hi = _query_tile_setup(
+        Q, QPOS, QSEG, stride_qb, stride_qh, stride_qt, Hq, Tq, Tk, GROUPS, KEYS_PER_SPLIT, BLOCK_M, BLOCK_D, D)
+    m_i, l_i = _lse_pass(q, q_pos, q_seg, q_key_idx, K + b * stride_kb + hk * stride_kh, stride_kt,
+                         KPOS + b * Tk, KSEG + b * Tk, BIAS + h * W, lo, hi, Tk, W, scaling,
+                         BLOCK_M, BLOCK_N, BLOCK_D, D, UPCAST, PRECISION)
+    part = (split * tl.num_programs(1) + pid_bh).to(tl.int64) * Tq + rows
+    tl.store(M_PART + part, m_i, mask=row_mask)
+    tl.store(L_PART + part, l_i, mask=row_mask)
+
+
+@triton.jit
+def _lazy_fwd_split_out_kernel(Q, K, V, TAU, BIAS, QPOS, KPOS, QSEG, KSEG, LSE, O_PART,
+                               stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt,
+                               stride_vb, stride_vh, stride_vt,
+                               Hq, Tq, Tk, W, GROUPS, KEYS_PER_SPLIT, scaling,
+                               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                               D: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    """Split-K pass 2: partial float32 output of one key slice -> O_PART [S, B, Tq, Hq, D] (summed after)."""
+    pid_m, pid_bh, split, b, h, hk, rows, row_mask, q, q_pos, q_seg, q_key_idx, lo, hi = _query_tile_setup(
+        Q, QPOS, QSEG, stride_qb, stride_qh, stride_qt, Hq, Tq, Tk, GROUPS, KEYS_PER_SPLIT, BLOCK_M, BLOCK_D, D)
+    lse = tl.load(LSE + pid_bh.to(tl.int64) * Tq + rows, mask=row_mask, other=_DEAD_ROW_LSE)
+    threshold = _row_threshold(tl.load(TAU + h), q_pos, lse)
+    acc = _out_pass(q, q_pos, q_seg, q_key_idx, lse, threshold, K + b * stride_kb + hk * stride_kh,
+                    V + b * stride_vb + hk * stride_vh, stride_kt, stride_vt, KPOS + b * Tk, KSEG + b * Tk,
+                    BIAS + h * W, lo, hi, Tk, W, scaling, BLOCK_M, BLOCK_N, BLOCK_D, D, UPCAST, PRECISION)
+    offs_d = tl.arange(0, BLOCK_D)
+    out_ptrs = (O_PART + ((split.to(tl.int64) * (tl.num_programs(1) // Hq) + b) * Tq + rows[:, None]) * Hq * D
+                + h * D + offs_d[None, :])
+    tl.store(out_ptrs, acc, mask=row_mask[:, None] & (offs_d[None, :] < D))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Causal fast path (`LazyMetadata.causal`: no padding, one document per row). Query row i sees exactly keys
+# 0 .. i + offset (offset = Tk - Tq) at distance i + offset - j, so nothing per key is read: a query tile's key
+# tiles split by loop bounds into
+#     [0, far)      beyond the bias window for every row: scores only, no bias, no mask
+#     [far, full)   inside the window, visible to every row: bias from the band, no mask
+#     [full, hi)    crossing the causal limit (at most cdiv(BM, BN) + 1 tiles): band, masked loads
+# and the bias comes from a per-head band, `band[h, d + BM + BN] = log2(e) beta_h(d)`, -inf for d < 0 (so pass 1
+# needs no causal mask) and 0 beyond the window. Scores are in log2 units (`exp2`); every load is unconditional
+# so that Triton pipelines K and V (cp.async). A band tile is a gather (one 4-byte load per score). Pass 2 adds
+# it to the scaled q k^T and Triton pipelines it too, through shared memory into the product's register layout
+# (it feeds the `a @ V` product). Pass 1 has no second product, so its band load is not pipelined and must
+# change register layout through shared memory: starting q k^T from it (the accumulator, with the band in q.k
+# units, `beta / scaling`) does that once per tile, where adding it afterwards did it twice.
+# ---------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _causal_lse_tiles(q, m_i, l_i, K, stride_kt, band, diagonal, lo, hi, Tk, scale_log2,
+                      BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, D: tl.constexpr, BIAS: tl.constexpr,
+                      MASK_KEYS: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+                      BT=None, stride_kb=0, PAGE_SIZE: tl.constexpr = 0):
+    """Pass 1 over key tiles [lo, hi): running row max and sum of exp2 (log2 units)."""
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    for start_n in range(lo, hi, BLOCK_N):
+        k = _load_keys(K, stride_kt, start_n + offs_n, offs_d, Tk, D, BLOCK_D, MASK_KEYS, BT, stride_kb, PAGE_SIZE)
+        s = _causal_scores(q, k, band, start_n, diagonal, scale_log2, BIAS, True, UPCAST, PRECISION)  # [BM, BN]
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        l_i = l_i * tl.exp2(m_i - m_new) + tl.sum(tl.exp2(s - m_new[:, None]), 1)
+        m_i = m_new
+    return m_i, l_i
+
+
+@triton.jit
+def _causal_out_tiles(q, acc, u, K, V, stride_kt, stride_vt, band, diagonal, q_key_idx, lse2, threshold, lo, hi,
+                      Tk, scale_log2, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, D: tl.constexpr,
+                      BIAS: tl.constexpr, DIAGONAL: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+                      BT=None, stride_kb=0, stride_vb=0, PAGE_SIZE: tl.constexpr = 0, STORE_U: tl.constexpr = False):
+    """Pass 2 over key tiles [lo, hi): `acc += ReLU(p + tau/n) @ V`; `DIAGONAL` tiles mask later keys (with
+    tau > 0 a masked key would otherwise get tau/n, not 0). `STORE_U`: also `u += m @ V` (m = 1 where the weight
+    is > 0, an exact 0/1 operand) for the backward's Delta."""
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    for start_n in range(lo, hi, BLOCK_N):
+        keys = start_n + offs_n
+        k = _load_keys(K, stride_kt, keys, offs_d, Tk, D, BLOCK_D, DIAGONAL, BT, stride_kb, PAGE_SIZE)
+        v = _load_keys(V, stride_vt, keys, offs_d, Tk, D, BLOCK_D, DIAGONAL, BT, stride_vb, PAGE_SIZE)
+        s = _causal_scores(q, k, band, start_n, diagonal, scale_log2, BIAS, False, UPCAST, PRECISION)  # [BM, BN]
+        a = tl.maximum(tl.exp2(s - lse2[:, None]) + threshold[:, None], 0.0)  # float32 threshold test
+        if DIAGONAL:
+            a = tl.where(keys[None, :] <= q_key_idx[:, None], a, 0.0)
+        acc += _dot(a.to(v.dtype), v, UPCAST, PRECISION)
+        if STORE_U:
+            u = _dot(tl.where(a > 0.0, 1.0, 0.0).to(v.dtype), v, UPCAST, PRECISION, u)
+    return acc, u
+
+
+@triton.jit
+def causal_passes(q, q_pos, K, V, stride_kt, stride_vt, band_h, BAND_PLANE, TAU_h, m0, Tq, Tk, W, scale_log2,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, D: tl.constexpr,
+                   UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+                   BT=None, stride_kb=0, stride_vb=0, PAGE_SIZE: tl.constexpr = 0, STORE_U: tl.constexpr = False):
+    """Both passes of the causal fast path for the query rows [m0, m0 + BM) of one head (row i at key index
+    i + Tk - Tq, n = q_pos + 1), each as three loops (beyond the window / inside it / at the causal limit).
+    `band_h`: the head's band row (q.k units `BAND_PLANE` further on); `TAU_h`: the head's tau. PAGE_SIZE > 0:
+    K and V are a paged cache (`_load_keys`). Returns `(acc [BM, BLOCK_D] float32, u, alive [BM], lse2 [BM])`;
+    `u = sum_j m_ij v_j` (float32) with `STORE_U`, zeros otherwise."""
+    offs_m = tl.arange(0, BLOCK_M)
+    rows = m0 + offs_m
+    far, full, hi = _causal_key_ranges(m0, Tq, Tk, W, BLOCK_M, BLOCK_N)
+    band = band_h + (BLOCK_M + BLOCK_N) + m0 + Tk - Tq  # band of distance m0 + offset - start_n
+    band_qk = band + BAND_PLANE  # the same in q.k units (pass 1)
+    diagonal = offs_m[:, None] - tl.arange(0, BLOCK_N)[None, :]  # [BM, BN] row - column
+
+    m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)  # finite: a tile of -inf scores keeps exp2() at 0, never NaN
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    m_i, l_i = _causal_lse_tiles(q, m_i, l_i, K, stride_kt, band, diagonal, 0, far, Tk, scale_log2,
+                                 BLOCK_N, BLOCK_D, D, False, False, UPCAST, PRECISION, BT, stride_kb, PAGE_SIZE)
+    m_i, l_i = _causal_lse_tiles(q, m_i, l_i, K, stride_kt, band_qk, diagonal, far, full, Tk, scale_log2,
+                                 BLOCK_N, BLOCK_D, D, True, False, UPCAST, PRECISION, BT, stride_kb, PAGE_SIZE)
+    m_i, l_i = _causal_lse_tiles(q, m_i, l_i, K, stride_kt, band_qk, diagonal, full, hi, Tk, scale_log2,
+                                 BLOCK_N, BLOCK_D, D, True, True, UPCAST, PRECISION, BT, stride_kb, PAGE_SIZE)
+    # a row whose scores are all -inf has no normaliser: p = 0 on every key and no weight (threshold 0 here; the
+    # stored LSE is DEAD_ROW_LSE, which both backwards recognise)
+    alive = l_i > 0.0
+    lse2 = tl.where(alive, m_i + tl.log2(tl.where(alive, l_i, 1.0)), float("inf"))
+    threshold = tl.where(alive, tl.load(TAU_h) / (q_pos + 1).to(tl.float32), 0.0)
+
+    q_key_idx = rows + Tk - Tq
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    u = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    acc, u = _causal_out_tiles(q, acc, u, K, V, stride_kt, stride_vt, band, diagonal, q_key_idx, lse2, threshold, 0,
+                               far, Tk, scale_log2, BLOCK_N, BLOCK_D, D, False, False, UPCAST, PRECISION,
+                               BT, stride_kb, stride_vb, PAGE_SIZE, STORE_U)
+    acc, u = _causal_out_tiles(q, acc, u, K, V, stride_kt, stride_vt, band, diagonal, q_key_idx, lse2, threshold, far,
+                               full, Tk, scale_log2, BLOCK_N, BLOCK_D, D, True, False, UPCAST, PRECISION,
+                               BT, stride_kb, stride_vb, PAGE_SIZE, STORE_U)
+    acc, u = _causal_out_tiles(q, acc, u, K, V, stride_kt, stride_vt, band, diagonal, q_key_idx, lse2, threshold,
+                               full, hi, Tk, scale_log2, BLOCK_N, BLOCK_D, D, True, True, UPCAST, PRECISION,
+                               BT, stride_kb, stride_vb, PAGE_SIZE, STORE_U)
+    return acc, u, alive, lse2
+
+
+@triton.jit
+def _lazy_causal_fwd_kernel(Q, K, V, TAU, BAND, QPOS, OUT, LSE, U,
+                            stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt,
+                            stride_vb, stride_vh, stride_vt, stride_ob, stride_oh, stride_ot,
+                            Hq, Tq, Tk, W, GROUPS, BAND_LEN, scale_log2,
+                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, D: tl.constexpr,
+                            UPCAST: tl.constexpr, PRECISION: tl.constexpr, STORE_U: tl.constexpr):
+    """Causal fast path, one query tile of one query head: `causal_passes`. Grid: (cdiv(Tq, BM), B * Hq). LSE in
+    natural units. `STORE_U` (training): also U_i = sum_j m_ij v_j into U (float32, OUT's shape and strides), from
+    which `_lazy_causal_bwd_delta_kernel` gets Delta and d tau without another pass over the keys."""
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // Hq).to(tl.int64)
+    h = pid_bh % Hq
+    hk = (h // GROUPS).to(tl.int64)
+    m0 = pid_m * BLOCK_M
+    offs_d = tl.arange(0, BLOCK_D)
+    rows = m0 + tl.arange(0, BLOCK_M)
+    row_mask = rows < Tq
+    q = _load_rows(Q + b * stride_qb + h.to(tl.int64) * stride_qh, stride_qt, rows, offs_d, Tq, D)
+    q_pos = tl.load(QPOS + b * Tq + rows, mask=row_mask, other=0)
+    acc, u, alive, lse2 = causal_passes(q, q_pos, K + b * stride_kb + hk * stride_kh,
+                                        V + b * stride_vb + hk * stride_vh, stride_kt, stride_vt, BAND + h * BAND_LEN,
+                                        Hq * BAND_LEN, TAU + h, m0, Tq, Tk, W, scale_log2, BLOCK_M, BLOCK_N, BLOCK_D,
+                                        D, UPCAST, PRECISION, STORE_U=STORE_U)
+    out_offs = b * stride_ob + h.to(tl.int64) * stride_oh + rows[:, None] * stride_ot + offs_d[None, :]
+    out_mask = row_mask[:, None] & (offs_d[None, :] < D)
+    tl.store(OUT + out_offs, acc.to(OUT.dtype.element_ty), mask=out_mask)
+    if STORE_U:
+        tl.store(U + out_offs, u, mask=out_mask)
+    # in log2 units, as the causal backward reads it: a round trip through ln would move a row that sits exactly on
+    # the ReLU's kink (a one-key row at tau = -1: p = 1, p + tau / n = 0) to the other side in the backward
+    tl.store(LSE + pid_bh.to(tl.int64) * Tq + rows, tl.where(alive, lse2, _DEAD_ROW_LSE), mask=row_mask)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Launchers
+# ---------------------------------------------------------------------------------------------------
+
+
+def _forward(query, key, value, tau, distance_bias, q_pos, k_pos, q_seg, k_seg, scaling,
+             num_splits=None) -> ForwardResult:
+    """Launch the general forward (any layout; the key offset is `Tk - Tq`). Returns `ForwardResult(out
+    [B, Tq, Hq, D], lse [B, Hq, Tq] float32, None)`. Which launcher serves a call (this one, `_causal_forward`,
+    `_packed_decode`) is the op layer's decision table (`lazy_attention_ops.choose_kernel`).
+
+    `num_splits` (None: automatic) > 1 runs the split-K kernels (only used for query length <= 16).
+    """
+    block_d = _check_inputs(query, key)
+    bsz, num_heads, q_len, dim = query.shape
+    kv_heads, k_len, window = key.shape[1], key.shape[2], distance_bias.shape[-1]
+    query, key, value = (_last_dim_contiguous(x) for x in (query, key, value))
+    decode = q_len <= DECODE_MAX_ROWS
+    block_m, block_n, num_warps, num_stages = _launch_config("decode" if decode else "fwd", block_d, query.device)
+    q_tiles = triton.cdiv(q_len, block_m)
+    if num_splits is None:
+        num_splits = _device_splits(bsz * num_heads, q_tiles, k_len, query.device) if decode else 1
+    out = torch.empty(bsz, q_len, num_heads, dim, dtype=query.dtype, device=query.device)
+    lse = torch.empty(bsz, num_heads, q_len, dtype=torch.float32, device=query.device)
+    meta = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, D=dim, UPCAST=_INTERPRET,
+                PRECISION=_DOT_PRECISION[query.dtype], num_warps=num_warps, num_stages=num_stages)
+    tau = tau.detach().to(torch.float32).contiguous()
+    bias = distance_bias.detach().to(torch.float32).contiguous()
+    positions = dict(QPOS=q_pos, KPOS=k_pos, QSEG=q_seg, KSEG=k_seg)
+    q_strides, k_strides, v_strides = _strides("q", query), _strides("k", key), _strides("v", value)
+    sizes = dict(Hq=num_heads, Tq=q_len, Tk=k_len, W=window, GROUPS=num_heads // kv_heads)
+    if num_splits <= 1:
+        wrap_triton(_lazy_fwd_kernel)[(q_tiles, bsz * num_heads)](
+            Q=query, K=key, V=value, TAU=tau, BIAS=bias, **positions, OUT=out, LSE=lse,
+            **q_strides, **k_strides, **v_strides, **_strides("o", out, h=2, t=1), **sizes, scaling=scaling, **meta)
+        return ForwardResult(out, lse)
+    keys_per_split = triton.cdiv(triton.cdiv(k_len, num_splits), block_n) * block_n
+    num_splits = triton.cdiv(k_len, keys_per_split)
+    grid = (q_tiles, bsz * num_heads, num_splits)
+    m_part = torch.empty(num_splits, bsz * num_heads, q_len, dtype=torch.float32, device=query.device)
+    l_part = torch.empty_like(m_part)
+    wrap_triton(_lazy_fwd_split_lse_kernel)[grid](
+        Q=query, K=key, BIAS=bias, **positions, M_PART=m_part, L_PART=l_part, **q_strides, **k_strides,
+        **sizes, KEYS_PER_SPLIT=keys_per_split, scaling=scaling, **meta)
+    m_max = m_part.max(0).values
+    l_sum = (l_part * torch.exp(m_part - m_max)).sum(0)
+    lse = torch.where(l_sum > 0, m_max + torch.log(l_sum), DEAD_ROW_LSE).view(bsz, num_heads, q_len)
+    o_part = torch.empty(num_splits, bsz, q_len, num_heads, dim, dtype=torch.float32, device=query.device)
+    wrap_triton(_lazy_fwd_split_out_kernel)[grid](
+        Q=query, K=key, V=value, TAU=tau, BIAS=bias, **positions, LSE=lse, O_PART=o_part,
+        **q_strides, **k_strides, **v_strides, **sizes, KEYS_PER_SPLIT=keys_per_split, scaling=scaling, **meta)
+    return ForwardResult(o_part.sum(0).to(query.dtype), lse)
+
+
+def _causal_forward(query, key, value, tau, distance_bias, q_pos, scaling, block_d, store_u=False) -> ForwardResult:
+    """The causal fast-path forward: `ForwardResult(out [B, Tq, Hq, D], lse [B, Hq, Tq] float32 in log2 units (what
+    `_causal_backward` reads), u)`; `store_u` (training): u is `U_i = sum_j m_ij v_j`, `[B, Tq, Hq, D]` float32, for
+    `_causal_backward`; otherwise None."""
+    bsz, num_heads, q_len, dim = query.shape
+    kv_heads, k_len = key.shape[1], key.shape[2]
+    kind = "causal_fwd_u" if store_u else "causal_fwd"
+    block_m, block_n, num_warps, num_stages = _launch_config(kind, block_d, query.device)
+    band = _bias_band(distance_bias, scaling, block_m, block_n)
+    out = torch.empty(bsz, q_len, num_heads, dim, dtype=query.dtype, device=query.device)
+    lse = torch.empty(bsz, num_heads, q_len, dtype=torch.float32, device=query.device)
+    u = torch.empty(bsz, q_len, num_heads, dim, dtype=torch.float32, device=query.device) if store_u else None
+    wrap_triton(_lazy_causal_fwd_kernel)[(triton.cdiv(q_len, block_m), bsz * num_heads)](
+        Q=query, K=key, V=value, TAU=tau.detach().to(torch.float32).contiguous(), BAND=band, QPOS=q_pos,
+        OUT=out, LSE=lse, U=u if store_u else lse, STORE_U=store_u,
+        **_strides("q", query), **_strides("k", key), **_strides("v", value), **_strides("o", out, h=2, t=1),
+        Hq=num_heads, Tq=q_len, Tk=k_len, W=distance_bias.shape[-1], GROUPS=num_heads // kv_heads,
+        BAND_LEN=band.shape[-1], scale_log2=scaling * LOG2E,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, D=dim, UPCAST=_INTERPRET,
+        PRECISION=_DOT_PRECISION[query.dtype], num_warps=num_warps, num_stages=num_stages)
+    return ForwardResult(out, lse, u)
