@@ -325,6 +325,149 @@ def decode_table(device, cache_lengths, batches, heads=32, kv_heads=8, dim=128) 
 # ---------------------------------------------------------------------------------------------------
 
 
+def _sdpa_flash(q, k, v):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+def workload_table(device, heads=16, dim=128, shrink=1) -> None:
+    """What users run, forward+backward in bf16 (H*D = 2048, 16k tokens): the plain causal layout, packed documents
+    of mixed lengths (`cu_seq_lens`), a right-padded batch with 25% padding; Lazy through its public entry point
+    (the op layer picks the kernels), SDPA-flash on the same useful tokens (one call per document or row) and on
+    the padded batch as it is. Then decode after left padding against the same rows unpadded. `shrink` divides
+    every length (the interpreter's smoke run)."""
+    print("\n| workload | method | ms | / SDPA-flash (useful tokens) |")
+    print("|---|---|---|---|")
+    gen = torch.Generator(device="cpu").manual_seed(3)
+    scaling = dim**-0.5
+    documents = [n // shrink for n in (256, 4096, 512, 1024, 2048, 256, 3072, 1024, 512, 768, 2048, 768)]  # 16k
+    row = 4096 // shrink
+    padded = [n // shrink for n in (4096, 3072, 2560, 2560)]  # 12288 of 16384: 25% padding
+
+    def leaves(bsz, length):
+        x = [torch.randn(bsz, heads, length, dim, generator=gen).to(device, torch.bfloat16).requires_grad_()
+             for _ in range(3)]
+        tau = torch.full((heads,), -1.0, device=device).requires_grad_()
+        bias = (1e-3 * torch.randn(heads, 1024, generator=gen)).to(device).requires_grad_()
+        return (*x, tau, bias)
+
+    cases = []
+    q, k, v, tau, bias = leaves(4, row)
+    meta = LazyMetadata.from_mask(query_length=row, batch_size=4, device=device)
+    cases.append((f"plain causal 4 x {row}", (q, k, v, tau, bias), meta, [(b, 0, row) for b in range(4)]))
+    q, k, v, tau, bias = leaves(1, sum(documents))
+    cu = torch.tensor([0, *torch.tensor(documents).cumsum(0).tolist()], device=device)
+    meta = LazyMetadata.from_cu_seq_lens(cu)
+    spans = [(0, int(cu[i]), int(cu[i + 1])) for i in range(len(documents))]
+    cases.append((f"packed {len(documents)} documents ({min(documents)}-{max(documents)})", (q, k, v, tau, bias),
+                  meta, spans))
+    q, k, v, tau, bias = leaves(4, row)
+    mask = (torch.arange(row) < torch.tensor(padded)[:, None]).long().to(device)
+    meta = LazyMetadata.from_mask(mask, query_length=row)
+    cases.append((f"right-padded 4 x {row}, 25% padding", (q, k, v, tau, bias), meta,
+                  [(b, 0, n) for b, n in enumerate(padded)]))
+    for label, (q, k, v, tau, bias), meta, spans in cases:
+        grad = torch.randn(q.shape[0], q.shape[2], heads, dim, generator=gen).to(device, torch.bfloat16)
+
+        def lazy():
+            out = lazy_triton.lazy_attention_triton(q, k, v, tau, bias, meta, scaling)
+            torch.autograd.backward(out, grad)
+
+        def sdpa_useful():
+            for b, s, e in spans:
+                out = _sdpa_flash(q[b:b + 1, :, s:e], k[b:b + 1, :, s:e], v[b:b + 1, :, s:e])
+                torch.autograd.backward(out, grad[b:b + 1, s:e].transpose(1, 2))
+
+        functions = {"sdpa-flash (useful tokens)": sdpa_useful, "lazy": lazy}
+        if "padded" in label:
+            def sdpa_padded():
+                torch.autograd.backward(_sdpa_flash(q, k, v), grad.transpose(1, 2))
+            functions["sdpa-flash (padded batch)"] = sdpa_padded
+        times = time_interleaved(functions, device, repeats=10)
+        for name, ms in times.items():
+            print(f"| {label} | {name} | {ms:.3f} | {ms / times['sdpa-flash (useful tokens)']:.2f} |", flush=True)
+        del q, k, v, tau, bias
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    print("\n| decode | method | ms | / SDPA (unpadded) |")
+    print("|---|---|---|---|")
+    for length in (4096 // shrink, 32768 // shrink):
+        with torch.no_grad():
+            (q, k, v, tau, bias), plain_meta = make_inputs(8, 32, 8, 1, length, 128, -1.0, 1024, device)
+            pad = torch.tensor([0, 100, 300, 700, 1500, 40, 2000, 5]) // shrink
+            mask = (torch.arange(length) >= pad[:, None]).long().to(device)
+            left = LazyMetadata.from_mask(mask, query_length=1, past_length=length - 1)
+
+            def lazy_left():
+                lazy_triton.lazy_attention_triton(q, k, v, tau, bias, left, 128**-0.5)
+
+            def lazy_plain():
+                lazy_triton.lazy_attention_triton(q, k, v, tau, bias, plain_meta, 128**-0.5)
+
+            def sdpa():
+                F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+
+            times = time_interleaved({"sdpa": sdpa, "lazy, unpadded (packed decode)": lazy_plain,
+                                      "lazy, left-padded batch": lazy_left}, device)
+        for name, ms in times.items():
+            print(f"| B 8, {length} keys | {name} | {ms:.4f} | {ms / times['sdpa']:.2f} |", flush=True)
+
+
+def model_check(device, compile_step=True) -> None:
+    """The whole model on the GPU: float32 logits of the Triton path against the eager reference (padded batch),
+    greedy generation equal to eager's, and a compiled bf16 training step (torch.compile over the op layer) whose
+    loss and gradients match the uncompiled step and whose profile shows the project's Triton kernels."""
+    from modeling_lazy import LazyLlamaConfig, LazyLlamaForCausalLM
+
+    config = LazyLlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                             lazy_bias_window=64, lazy_tau_init=-0.5, lazy_bias_init_std=0.02)
+    torch.manual_seed(0)
+    model = LazyLlamaForCausalLM(config).to(device).eval()
+    ids = torch.randint(3, 512, (2, 300), device=device)
+    mask = torch.ones_like(ids)
+    mask[1, :37] = 0
+    with torch.no_grad():
+        lazy = model(ids, attention_mask=mask).logits
+        model.set_attn_implementation("eager")
+        eager = model(ids, attention_mask=mask).logits
+        tokens_eager = model.generate(ids[:1, :40], max_new_tokens=16, do_sample=False)
+        model.set_attn_implementation("lazy")
+        tokens_lazy = model.generate(ids[:1, :40], max_new_tokens=16, do_sample=False)
+    real = mask.bool()
+    error = _relative(lazy[real], eager[real])
+    same = torch.equal(tokens_lazy, tokens_eager)
+    print(f"\n| check | result |\n|---|---|\n| float32 logits, Triton vs eager (padded batch) | {error:.1e} |")
+    print(f"| greedy generate, Triton vs eager (16 tokens) | {'identical' if same else 'DIFFERENT'} |", flush=True)
+    model.train().to(torch.bfloat16)
+    batch = torch.randint(3, 512, (2, 512), device=device)
+
+    def step(m):
+        m.zero_grad(set_to_none=True)
+        loss = m(batch, labels=batch).loss
+        loss.backward()
+        return loss.detach().float(), [p.grad.float().clone() for p in m.parameters() if p.grad is not None]
+
+    loss_eager, grads_eager = step(model)
+    if not compile_step:
+        return
+    compiled = torch.compile(model)
+    started = time.perf_counter()
+    loss_compiled, grads_compiled = step(compiled)
+    compile_s = time.perf_counter() - started
+    grad_error = max(_relative(a, b) for a, b in zip(grads_compiled, grads_eager))
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        step(compiled)
+        torch.cuda.synchronize()
+    kernels = sorted({e.name.split("_kernel")[0] + "_kernel" for e in prof.events() if "_lazy" in e.name})
+    print(f"| compiled bf16 training step: loss, eager / compiled | {loss_eager.item():.4f} / "
+          f"{loss_compiled.item():.4f} (first step {compile_s:.0f} s with compilation) |")
+    print(f"| compiled step: max relative gradient difference | {grad_error:.1e} |")
+    print(f"| compiled step: Lazy Triton kernels in the profile | {', '.join(kernels) or 'NONE'} |", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="L in {1k, 4k}, no FlexAttention")
@@ -343,6 +486,8 @@ def main() -> None:
         global REPEATS, WARMUP
         REPEATS, WARMUP = 2, 1
         correctness_gate(device, [(1, 2, 1, 40, 40, 64, -1.0), (1, 2, 1, 1, 50, 64, 0.0)])
+        model_check(device, compile_step=False)
+        workload_table(device, heads=2, dim=64, shrink=64)
         prefill_table(device, [64], [64], 64, with_flex=False, width=128)
         density_table(device, 128, 64, width=64)
         decode_table(device, [128], [1], heads=4, kv_heads=2, dim=64)
@@ -352,13 +497,17 @@ def main() -> None:
     correctness_gate(device, [(2, 8, 2, 1000, 1000, 64, 0.0), (2, 8, 2, 1000, 1000, 64, -1.0),
                               (2, 6, 2, 777, 777, 128, -1.0), (2, 8, 2, 1, 3000, 128, -1.0),
                               (2, 8, 4, 100, 2100, 128, -0.5)])
+    print("\n## 2. The model on the GPU (Triton path, eager reference, torch.compile)")
+    model_check(device)
     lengths = [1024, 4096] if args.quick else [1024, 2048, 4096, 8192, 16384]
-    print("\n## 2. Prefill, bf16, causal, H*D = 2048, B*L = 16k\n")
+    print("\n## 3. Prefill, bf16, causal, H*D = 2048, B*L = 16k\n")
     prefill_table(device, lengths, [64, 128], 16384, with_flex=not args.quick)
-    print("\n## 3. Tile density (the general forward's shipped tiles; see tile_density)")
+    print("\n## 4. Workloads: packed documents, padding, left-padded decode (bf16, D 128)")
+    workload_table(device)
+    print("\n## 5. Decode (q length 1, GQA 32/8, D 128, bf16)")
+    decode_table(device, [1024, 4096, 16384] if args.quick else [1024, 4096, 16384, 65536], [1, 8, 32])
+    print("\n## 6. Tile density (the general forward's shipped tiles; see tile_density)")
     density_table(device, 4096, 128)
-    print("\n## 4. Decode (q length 1, GQA 32/8, D 128, bf16)")
-    decode_table(device, [1024, 4096, 16384, 65536], [1, 8, 32])
 
 
 if __name__ == "__main__":
