@@ -216,7 +216,10 @@ def _causal_lse_tiles(q, m_i, l_i, K, stride_kt, band, diagonal, lo, hi, Tk, sca
     offs_d = tl.arange(0, BLOCK_D)
     for start_n in range(lo, hi, BLOCK_N):
         k = _load_keys(K, stride_kt, start_n + offs_n, offs_d, Tk, D, BLOCK_D, MASK_KEYS, BT, stride_kb, PAGE_SIZE)
-        s = _causal_scores(q, k, band, start_n, diagonal, scale_log2, BIAS, True, UPCAST, PRECISION)  # [BM, BN]
+        # the bias added after scaling, as pass 2 and the backward add it: the same bits of every score in every
+        # pass, so that a weight exactly at the ReLU kink (a one-key row at tau = -1: p = 1, a = 0) gets the same
+        # mask everywhere (adding it first, in q.k units, rounds differently and flipped such masks on GPUs)
+        s = _causal_scores(q, k, band, start_n, diagonal, scale_log2, BIAS, False, UPCAST, PRECISION)  # [BM, BN]
         m_new = tl.maximum(m_i, tl.max(s, 1))
         l_i = l_i * tl.exp2(m_i - m_new) + tl.sum(tl.exp2(s - m_new[:, None]), 1)
         m_i = m_new
@@ -254,23 +257,23 @@ def causal_passes(q, q_pos, K, V, stride_kt, stride_vt, band_h, BAND_PLANE, TAU_
                    BT=None, stride_kb=0, stride_vb=0, PAGE_SIZE: tl.constexpr = 0, STORE_U: tl.constexpr = False):
     """Both passes of the causal fast path for the query rows [m0, m0 + BM) of one head (row i at key index
     i + Tk - Tq, n = q_pos + 1), each as three loops (beyond the window / inside it / at the causal limit).
-    `band_h`: the head's band row (q.k units `BAND_PLANE` further on); `TAU_h`: the head's tau. PAGE_SIZE > 0:
+    `band_h`: the head's band row in log2 units (`BAND_PLANE`: the offset of its q.k-unit copy, which these passes
+    do not read); `TAU_h`: the head's tau. PAGE_SIZE > 0:
     K and V are a paged cache (`_load_keys`). Returns `(acc [BM, BLOCK_D] float32, u, alive [BM], lse2 [BM])`;
     `u = sum_j m_ij v_j` (float32) with `STORE_U`, zeros otherwise."""
     offs_m = tl.arange(0, BLOCK_M)
     rows = m0 + offs_m
     far, full, hi = _causal_key_ranges(m0, Tq, Tk, W, BLOCK_M, BLOCK_N)
     band = band_h + (BLOCK_M + BLOCK_N) + m0 + Tk - Tq  # band of distance m0 + offset - start_n
-    band_qk = band + BAND_PLANE  # the same in q.k units (pass 1)
     diagonal = offs_m[:, None] - tl.arange(0, BLOCK_N)[None, :]  # [BM, BN] row - column
 
     m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)  # finite: a tile of -inf scores keeps exp2() at 0, never NaN
     l_i = tl.zeros([BLOCK_M], tl.float32)
     m_i, l_i = _causal_lse_tiles(q, m_i, l_i, K, stride_kt, band, diagonal, 0, far, Tk, scale_log2,
                                  BLOCK_N, BLOCK_D, D, False, False, UPCAST, PRECISION, BT, stride_kb, PAGE_SIZE)
-    m_i, l_i = _causal_lse_tiles(q, m_i, l_i, K, stride_kt, band_qk, diagonal, far, full, Tk, scale_log2,
+    m_i, l_i = _causal_lse_tiles(q, m_i, l_i, K, stride_kt, band, diagonal, far, full, Tk, scale_log2,
                                  BLOCK_N, BLOCK_D, D, True, False, UPCAST, PRECISION, BT, stride_kb, PAGE_SIZE)
-    m_i, l_i = _causal_lse_tiles(q, m_i, l_i, K, stride_kt, band_qk, diagonal, full, hi, Tk, scale_log2,
+    m_i, l_i = _causal_lse_tiles(q, m_i, l_i, K, stride_kt, band, diagonal, full, hi, Tk, scale_log2,
                                  BLOCK_N, BLOCK_D, D, True, True, UPCAST, PRECISION, BT, stride_kb, PAGE_SIZE)
     # a row whose scores are all -inf has no normaliser: p = 0 on every key and no weight (threshold 0 here; the
     # stored LSE is DEAD_ROW_LSE, which both backwards recognise)
