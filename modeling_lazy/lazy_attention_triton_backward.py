@@ -49,10 +49,12 @@ from .lazy_attention_triton_common import (
 # ---------------------------------------------------------------------------------------------------
 
 
+# Index helpers take no tensor (see `_query_tile_ids` in lazy_attention_triton_forward.py: torch.compile's mutation
+# analysis counts every tensor a call takes as written when a store address depends on that call's results).
 @triton.jit
-def _bwd_query_tile(Q, DO, TAU, QPOS, QSEG, LSE, stride_qb, stride_qh, stride_qt, stride_dob, stride_doh, stride_dot,
-                    Hq, Tq, Tk, GROUPS, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, D: tl.constexpr):
-    """Prologue shared by the Delta and dq kernels: one query tile of one query head. Grid: (cdiv(Tq, BM), B*Hq)."""
+def _bwd_query_ids(Hq, Tq, Tk, GROUPS, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Prologue shared by the Delta and dq kernels: which query tile of which query head, and the end of its keys.
+    Grid: (cdiv(Tq, BM), B*Hq)."""
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = (pid_bh // Hq).to(tl.int64)
@@ -61,6 +63,14 @@ def _bwd_query_tile(Q, DO, TAU, QPOS, QSEG, LSE, stride_qb, stride_qh, stride_qt
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     row_mask = rows < Tq
+    hi = tl.minimum(Tk, (pid_m + 1) * BLOCK_M + Tk - Tq)  # keys past the tile's last row are never visible
+    return pid_m, pid_bh, b, h, hk, rows, offs_d, row_mask, hi
+
+
+@triton.jit
+def _bwd_query_loads(Q, DO, TAU, QPOS, QSEG, LSE, stride_qb, stride_qh, stride_qt, stride_dob, stride_doh,
+                     stride_dot, pid_bh, b, h, rows, offs_d, row_mask, Tq, D: tl.constexpr):
+    """The tile's queries, output gradients, positions, segments, log-sum-exp, 1 / n and ReLU threshold."""
     q = _load_rows(Q + b * stride_qb + h * stride_qh, stride_qt, rows, offs_d, Tq, D)
     do = _load_rows(DO + b * stride_dob + h * stride_doh, stride_dot, rows, offs_d, Tq, D)
     q_pos = tl.load(QPOS + b * Tq + rows, mask=row_mask, other=0)
@@ -68,8 +78,7 @@ def _bwd_query_tile(Q, DO, TAU, QPOS, QSEG, LSE, stride_qb, stride_qh, stride_qt
     lse = tl.load(LSE + pid_bh.to(tl.int64) * Tq + rows, mask=row_mask, other=_DEAD_ROW_LSE)
     inv_n = 1.0 / (q_pos + 1).to(tl.float32)
     threshold = _row_threshold(tl.load(TAU + h), q_pos, lse)
-    hi = tl.minimum(Tk, (pid_m + 1) * BLOCK_M + Tk - Tq)  # keys past the tile's last row are never visible
-    return pid_m, pid_bh, b, h, hk, rows, offs_d, row_mask, q, do, q_pos, q_seg, lse, inv_n, threshold, hi
+    return q, do, q_pos, q_seg, lse, inv_n, threshold
 
 
 @triton.jit
@@ -84,9 +93,10 @@ def _lazy_bwd_delta_kernel(Q, K, V, TAU, BIAS, QPOS, KPOS, QSEG, KSEG, LSE, DO, 
     Also writes this tile's d tau partial, sum_i (1/n_i) sum_j m_ij dP_ij, to DTAU_PART [B * Hq, q tiles].
     Only row sums live across the loop, so this sweep is light; all-dead key tiles read no V.
     """
-    pid_m, pid_bh, b, h, hk, rows, offs_d, row_mask, q, do, q_pos, q_seg, lse, inv_n, threshold, hi = \
-        _bwd_query_tile(Q, DO, TAU, QPOS, QSEG, LSE, stride_qb, stride_qh, stride_qt, stride_dob, stride_doh,
-                        stride_dot, Hq, Tq, Tk, GROUPS, BLOCK_M, BLOCK_D, D)
+    pid_m, pid_bh, b, h, hk, rows, offs_d, row_mask, hi = _bwd_query_ids(Hq, Tq, Tk, GROUPS, BLOCK_M, BLOCK_D)
+    q, do, q_pos, q_seg, lse, inv_n, threshold = _bwd_query_loads(
+        Q, DO, TAU, QPOS, QSEG, LSE, stride_qb, stride_qh, stride_qt, stride_dob, stride_doh, stride_dot, pid_bh, b,
+        h, rows, offs_d, row_mask, Tq, D)
     K_ = K + b * stride_kb + hk * stride_kh
     V_ = V + b * stride_vb + hk * stride_vh
     offs_n = tl.arange(0, BLOCK_N)
@@ -121,9 +131,10 @@ def _lazy_bwd_dq_kernel(Q, K, V, TAU, BIAS, QPOS, KPOS, QSEG, KSEG, LSE, DO, DEL
 
     dq stays dense (an all-dead tile still has dS = -p * Delta), but such a tile reads no V and skips dO V^T.
     """
-    pid_m, pid_bh, b, h, hk, rows, offs_d, row_mask, q, do, q_pos, q_seg, lse, inv_n, threshold, hi = \
-        _bwd_query_tile(Q, DO, TAU, QPOS, QSEG, LSE, stride_qb, stride_qh, stride_qt, stride_dob, stride_doh,
-                        stride_dot, Hq, Tq, Tk, GROUPS, BLOCK_M, BLOCK_D, D)
+    pid_m, pid_bh, b, h, hk, rows, offs_d, row_mask, hi = _bwd_query_ids(Hq, Tq, Tk, GROUPS, BLOCK_M, BLOCK_D)
+    q, do, q_pos, q_seg, lse, inv_n, threshold = _bwd_query_loads(
+        Q, DO, TAU, QPOS, QSEG, LSE, stride_qb, stride_qh, stride_qt, stride_dob, stride_doh, stride_dot, pid_bh, b,
+        h, rows, offs_d, row_mask, Tq, D)
     delta = tl.load(DELTA + pid_bh.to(tl.int64) * Tq + rows, mask=row_mask, other=0.0)
     K_ = K + b * stride_kb + hk * stride_kh
     V_ = V + b * stride_vb + hk * stride_vh
@@ -330,9 +341,10 @@ def _lazy_causal_bwd_dq_kernel(Q, K, V, TAU, BAND, QPOS, QSEG, LSE, DO, DELTA, D
     ranges, and the query tile's d distance_bias partial, a private float32 row of DBIAS_PART
     [B * Hq * cdiv(Tq, BM), W] (which no other program adds to). Grid (cdiv(Tq, BM), B * Hq)."""
     tl.static_assert(BLOCK_N <= BLOCK_M)  # `_diagonal_sums` wraps each column at most once
-    pid_m, pid_bh, b, h, hk, rows, offs_d, row_mask, q, do, q_pos, _, lse, _, threshold, _ = _bwd_query_tile(
-        Q, DO, TAU, QPOS, QSEG, LSE, stride_qb, stride_qh, stride_qt, stride_dob, stride_doh, stride_dot,
-        Hq, Tq, Tk, GROUPS, BLOCK_M, BLOCK_D, D)
+    pid_m, pid_bh, b, h, hk, rows, offs_d, row_mask, _ = _bwd_query_ids(Hq, Tq, Tk, GROUPS, BLOCK_M, BLOCK_D)
+    q, do, q_pos, _, lse, _, threshold = _bwd_query_loads(
+        Q, DO, TAU, QPOS, QSEG, LSE, stride_qb, stride_qh, stride_qt, stride_dob, stride_doh, stride_dot, pid_bh, b,
+        h, rows, offs_d, row_mask, Tq, D)
     m0 = pid_m * BLOCK_M
     far, full, hi = _causal_key_ranges(m0, Tq, Tk, W, BLOCK_M, BLOCK_N)
     K_ = K + b * stride_kb + hk * stride_kh

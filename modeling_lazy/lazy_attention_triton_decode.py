@@ -58,11 +58,12 @@ def _load_cache(ptr, offsets, offs_d, key_mask, D: tl.constexpr):
 
 
 @triton.jit
-def _decode_rows(KLEN, BLOCK_TABLE, stride_b, stride_h, stride_tb, Hkv, Tq, GROUPS, KEYS_PER_SPLIT,
-                 BLOCK_M: tl.constexpr, PAGE_SIZE: tl.constexpr):
-    """Prologue of both decode passes. Grid: (splits, B * Hkv, cdiv(GROUPS * Tq, BM)). Returns the program's packed
-    rows (query head `h`, query row `t`, flat `(b, h, t)` index `row_id`), their key indices, its keys [lo, hi), the
-    cache offset of its KV head and its block-table row."""
+def _decode_rows(k_len, stride_b, stride_h, Hkv, Tq, GROUPS, KEYS_PER_SPLIT, BLOCK_M: tl.constexpr,
+                 PAGE_SIZE: tl.constexpr):
+    """Prologue of both decode passes (`k_len`: the program's sequence's key count, loaded by the kernel: an index
+    helper takes no tensor, see `_query_tile_ids` in lazy_attention_triton_forward.py). Grid: (splits, B * Hkv,
+    cdiv(GROUPS * Tq, BM)). Returns the program's packed rows (query head `h`, query row `t`, flat `(b, h, t)` index
+    `row_id`), their key indices, its keys [lo, hi) and the cache offset of its KV head."""
     split = tl.program_id(0)
     pid_bkv = tl.program_id(1)
     b = pid_bkv // Hkv
@@ -72,7 +73,6 @@ def _decode_rows(KLEN, BLOCK_TABLE, stride_b, stride_h, stride_tb, Hkv, Tq, GROU
     rows = tl.minimum(packed, GROUPS * Tq - 1)  # padding rows repeat the last row: their loads need no mask
     h = hk * GROUPS + rows // Tq
     t = rows % Tq
-    k_len = tl.load(KLEN + b)
     lo = split * KEYS_PER_SPLIT
     hi = tl.minimum(lo + KEYS_PER_SPLIT, k_len)
     if PAGE_SIZE > 0:
@@ -80,8 +80,7 @@ def _decode_rows(KLEN, BLOCK_TABLE, stride_b, stride_h, stride_tb, Hkv, Tq, GROU
     else:
         kv_base = b.to(tl.int64) * stride_b + hk.to(tl.int64) * stride_h
     row_id = pid_bkv.to(tl.int64) * GROUPS * Tq + rows
-    return (split, b, h, t, row_id, row_mask, k_len, k_len - Tq + t, lo, hi, kv_base,
-            BLOCK_TABLE + b.to(tl.int64) * stride_tb)
+    return split, b, h, t, row_id, row_mask, k_len - Tq + t, lo, hi, kv_base
 
 
 @triton.jit
@@ -111,8 +110,10 @@ def _lazy_decode_lse_kernel(Q, K, BAND, KLEN, BLOCK_TABLE, SCORES, M_PART, L_PAR
                             PAGE_SIZE: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
     """Decode pass 1: scores -> SCORES [B, Hq, Tq, KEY_CAPACITY] (log2 units), partial row max / sum of exp2 ->
     M_PART, L_PART [splits, B, Hq, Tq]. Grid: (splits, B * Hkv, cdiv(GROUPS * Tq, BM))."""
-    split, b, h, t, row_id, row_mask, k_len, q_key_idx, lo, hi, kv_base, BT = _decode_rows(
-        KLEN, BLOCK_TABLE, stride_kb, stride_kh, stride_tb, Hkv, Tq, GROUPS, KEYS_PER_SPLIT, BLOCK_M, PAGE_SIZE)
+    k_len = tl.load(KLEN + tl.program_id(1) // Hkv)
+    split, b, h, t, row_id, row_mask, q_key_idx, lo, hi, kv_base = _decode_rows(
+        k_len, stride_kb, stride_kh, Hkv, Tq, GROUPS, KEYS_PER_SPLIT, BLOCK_M, PAGE_SIZE)
+    BT = BLOCK_TABLE + b.to(tl.int64) * stride_tb
     offs_d = tl.arange(0, BLOCK_D)
     q = tl.load(Q + b.to(tl.int64) * stride_qb + h[:, None].to(tl.int64) * stride_qh + t[:, None] * stride_qt
                 + offs_d[None, :], mask=offs_d[None, :] < D, other=0.0)
@@ -141,8 +142,10 @@ def _lazy_decode_out_kernel(V, TAU, QPOS, KLEN, BLOCK_TABLE, SCORES, LSE2, O_PAR
                             PAGE_SIZE: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
     """Decode pass 2: partial float32 outputs of one key slice -> O_PART [splits, B, Tq, Hq, D] (summed after);
     LSE2 [B, Hq, Tq]: row log-sum-exp in log2 units, DEAD_ROW_LSE for a row without a normaliser."""
-    split, b, h, t, row_id, row_mask, k_len, q_key_idx, lo, hi, kv_base, BT = _decode_rows(
-        KLEN, BLOCK_TABLE, stride_vb, stride_vh, stride_tb, Hkv, Tq, GROUPS, KEYS_PER_SPLIT, BLOCK_M, PAGE_SIZE)
+    k_len = tl.load(KLEN + tl.program_id(1) // Hkv)
+    split, b, h, t, row_id, row_mask, q_key_idx, lo, hi, kv_base = _decode_rows(
+        k_len, stride_vb, stride_vh, Hkv, Tq, GROUPS, KEYS_PER_SPLIT, BLOCK_M, PAGE_SIZE)
+    BT = BLOCK_TABLE + b.to(tl.int64) * stride_tb
     scores = (SCORES + row_id * KEY_CAPACITY)[:, None]
     lse2 = tl.load(LSE2 + row_id)
     threshold = _row_threshold(tl.load(TAU + h), tl.load(QPOS + b * Tq + t), lse2)

@@ -96,10 +96,12 @@ def _out_pass(q, q_pos, q_seg, q_key_idx, lse, threshold, K, V, stride_kt, strid
     return acc
 
 
+# Index helpers take no tensor: torch.compile's mutation analysis of a kernel (the triton_op's functionalization)
+# follows every store address back through the calls that computed it, and counts each tensor such a call takes as
+# written. Store addresses are therefore computed by pointer-free helpers, and the loads are separate calls.
 @triton.jit
-def _query_tile_setup(Q, QPOS, QSEG, stride_qb, stride_qh, stride_qt, Hq, Tq, Tk, GROUPS, KEYS_PER_SPLIT,
-                 BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, D: tl.constexpr):
-    """Shared prologue of the forward and split-K kernels: one query tile of one head, its keys [lo, hi).
+def _query_tile_ids(Hq, Tq, Tk, GROUPS, KEYS_PER_SPLIT, BLOCK_M: tl.constexpr):
+    """Shared prologue of the forward and split-K kernels: which query tile of which head, its keys [lo, hi).
 
     Grid: (cdiv(Tq, BM), B * Hq[, splits]); `hi` stops at the tile's causal limit (later keys are never visible).
     """
@@ -110,16 +112,23 @@ def _query_tile_setup(Q, QPOS, QSEG, stride_qb, stride_qh, stride_qt, Hq, Tq, Tk
     h = pid_bh % Hq
     hk = (h // GROUPS).to(tl.int64)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
     row_mask = rows < Tq
+    offset = Tk - Tq
+    lo = split * KEYS_PER_SPLIT
+    hi = tl.minimum(tl.minimum(Tk, (pid_m + 1) * BLOCK_M + offset), lo + KEYS_PER_SPLIT)
+    return pid_m, pid_bh, split, b, h, hk, rows, row_mask, rows + offset, lo, hi
+
+
+@triton.jit
+def _query_tile_loads(Q, QPOS, QSEG, stride_qb, stride_qh, stride_qt, b, h, rows, row_mask, Tq,
+                      BLOCK_D: tl.constexpr, D: tl.constexpr):
+    """The tile's queries, positions and segments."""
+    offs_d = tl.arange(0, BLOCK_D)
     q = tl.load(Q + b * stride_qb + h.to(tl.int64) * stride_qh + rows[:, None] * stride_qt + offs_d[None, :],
                 mask=row_mask[:, None] & (offs_d[None, :] < D), other=0.0)
     q_pos = tl.load(QPOS + b * Tq + rows, mask=row_mask, other=0)
     q_seg = tl.load(QSEG + b * Tq + rows, mask=row_mask, other=-4)
-    offset = Tk - Tq
-    lo = split * KEYS_PER_SPLIT
-    hi = tl.minimum(tl.minimum(Tk, (pid_m + 1) * BLOCK_M + offset), lo + KEYS_PER_SPLIT)
-    return pid_m, pid_bh, split, b, h, hk, rows, row_mask, q, q_pos, q_seg, rows + offset, lo, hi
+    return q, q_pos, q_seg
 
 
 @triton.jit
@@ -131,8 +140,9 @@ def _lazy_fwd_kernel(Q, K, V, TAU, BIAS, QPOS, KPOS, QSEG, KSEG, OUT, LSE,
                      UPCAST: tl.constexpr, PRECISION: tl.constexpr):
     """One query tile of one query head: pass 1 (LSE), pass 2 (output). Grid: (cdiv(Tq, BM), B * Hq)."""
     # One "split" covering every key: lo = 0, hi = the tile's causal limit.
-    _, pid_bh, _, b, h, hk, rows, row_mask, q, q_pos, q_seg, q_key_idx, _, hi = _query_tile_setup(
-        Q, QPOS, QSEG, stride_qb, stride_qh, stride_qt, Hq, Tq, Tk, GROUPS, Tk, BLOCK_M, BLOCK_D, D)
+    _, pid_bh, _, b, h, hk, rows, row_mask, q_key_idx, _, hi = _query_tile_ids(Hq, Tq, Tk, GROUPS, Tk, BLOCK_M)
+    q, q_pos, q_seg = _query_tile_loads(Q, QPOS, QSEG, stride_qb, stride_qh, stride_qt, b, h, rows, row_mask, Tq,
+                                        BLOCK_D, D)
     offs_d = tl.arange(0, BLOCK_D)
     K_ = K + b * stride_kb + hk * stride_kh
     V_ = V + b * stride_vb + hk * stride_vh
@@ -158,8 +168,10 @@ def _lazy_fwd_split_lse_kernel(Q, K, BIAS, QPOS, KPOS, QSEG, KSEG, M_PART, L_PAR
                                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                                D: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
     """Split-K pass 1: partial row max / sum of exp for one slice of keys -> M_PART, L_PART [S, B*Hq, Tq]."""
-    pid_m, pid_bh, split, b, h, hk, rows, row_mask, q, q_pos, q_seg, q_key_idx, lo, hi = _query_tile_setup(
-        Q, QPOS, QSEG, stride_qb, stride_qh, stride_qt, Hq, Tq, Tk, GROUPS, KEYS_PER_SPLIT, BLOCK_M, BLOCK_D, D)
+    pid_m, pid_bh, split, b, h, hk, rows, row_mask, q_key_idx, lo, hi = _query_tile_ids(
+        Hq, Tq, Tk, GROUPS, KEYS_PER_SPLIT, BLOCK_M)
+    q, q_pos, q_seg = _query_tile_loads(Q, QPOS, QSEG, stride_qb, stride_qh, stride_qt, b, h, rows, row_mask, Tq,
+                                        BLOCK_D, D)
     m_i, l_i = _lse_pass(q, q_pos, q_seg, q_key_idx, K + b * stride_kb + hk * stride_kh, stride_kt,
                          KPOS + b * Tk, KSEG + b * Tk, BIAS + h * W, lo, hi, Tk, W, scaling,
                          BLOCK_M, BLOCK_N, BLOCK_D, D, UPCAST, PRECISION)
@@ -176,8 +188,10 @@ def _lazy_fwd_split_out_kernel(Q, K, V, TAU, BIAS, QPOS, KPOS, QSEG, KSEG, LSE, 
                                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                                D: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
     """Split-K pass 2: partial float32 output of one key slice -> O_PART [S, B, Tq, Hq, D] (summed after)."""
-    pid_m, pid_bh, split, b, h, hk, rows, row_mask, q, q_pos, q_seg, q_key_idx, lo, hi = _query_tile_setup(
-        Q, QPOS, QSEG, stride_qb, stride_qh, stride_qt, Hq, Tq, Tk, GROUPS, KEYS_PER_SPLIT, BLOCK_M, BLOCK_D, D)
+    pid_m, pid_bh, split, b, h, hk, rows, row_mask, q_key_idx, lo, hi = _query_tile_ids(
+        Hq, Tq, Tk, GROUPS, KEYS_PER_SPLIT, BLOCK_M)
+    q, q_pos, q_seg = _query_tile_loads(Q, QPOS, QSEG, stride_qb, stride_qh, stride_qt, b, h, rows, row_mask, Tq,
+                                        BLOCK_D, D)
     lse = tl.load(LSE + pid_bh.to(tl.int64) * Tq + rows, mask=row_mask, other=_DEAD_ROW_LSE)
     threshold = _row_threshold(tl.load(TAU + h), q_pos, lse)
     acc = _out_pass(q, q_pos, q_seg, q_key_idx, lse, threshold, K + b * stride_kb + hk * stride_kh,
