@@ -182,7 +182,7 @@ def test_unservable_folder_fails_with_a_clear_message(tmp_path, rng_seed):
 TRITON_STEP = r"""
 import os, sys, types
 import torch
-from lazy_llama_vllm.lazy_attention_backend import LazyAttentionImpl, LazyAttentionMetadataBuilder
+from lazy_llama_vllm.lazy_attention_backend import LazyAttentionImpl, LazyAttentionMetadataBuilder, LazyPageLayout
 
 seed = int(sys.argv[1])
 gen = torch.Generator().manual_seed(seed)
@@ -208,7 +208,8 @@ common = types.SimpleNamespace(num_reqs=len(q_lens), query_start_loc_cpu=starts,
                                seq_lens=torch.tensor(seq_lens, dtype=torch.int32), block_table_tensor=table,
                                num_actual_tokens=int(starts[-1]), max_seq_len=max(seq_lens))
 builder = object.__new__(LazyAttentionMetadataBuilder)
-builder.block_size, builder.num_kv_heads, builder.device = page, kv_heads, torch.device("cpu")
+builder.block_size, builder.device = page, torch.device("cpu")
+builder.layout = LazyPageLayout(kv_heads, page, dim)
 query = torch.randn(int(starts[-1]) + 3, heads, dim, generator=gen)  # vLLM pads the step: 3 unused rows
 outputs = {}
 for backend in ("triton", "torch"):
@@ -282,7 +283,8 @@ def test_cpu_path_reads_only_owned_cache_rows_and_runs_small_groups_on_one_threa
                                    seq_lens=torch.tensor(seq_lens, dtype=torch.int32), block_table_tensor=table,
                                    num_actual_tokens=int(starts[-1]), max_seq_len=max(seq_lens))
     builder = object.__new__(backend.LazyAttentionMetadataBuilder)
-    builder.block_size, builder.num_kv_heads, builder.device = page, kv_heads, torch.device("cpu")
+    builder.block_size, builder.device = page, torch.device("cpu")
+    builder.layout = backend.LazyPageLayout(kv_heads, page, dim)
     monkeypatch.setenv("LAZY_LLAMA_BACKEND", "torch")
     metadata = builder.build(0, common)
     query = torch.randn(int(starts[-1]), heads, dim, generator=gen).to(dtype)
