@@ -3,8 +3,12 @@
 The math and the metadata are defined in `lazy_attention_reference` (docs/design.md walks through both).
 Query chunks are computed against the keys they can see; a chunk's rows see all their keys at once, so
 their normaliser is exact in one pass. Nothing of size L x L is kept, and the backward recomputes each
-chunk from q, k, v. Inference with a few query rows (decode) takes a one-pass path instead, which can read
-only the value rows that carry a nonzero weight.
+chunk from q, k, v. Packed documents and padded batches run the causal chunks on each document's slice.
+Inference with a few query rows (decode) takes a one-pass path instead, which can read only the value rows that
+carry a nonzero weight.
+
+The file is over 600 lines on purpose: the causal, per-document and general chunk loops and the decode paths share
+the chunk state, the band table and the cached parameter facts, and a checkpoint carries this path as one file.
 """
 
 import math
