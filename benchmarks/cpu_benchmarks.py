@@ -202,42 +202,34 @@ def bench_model(size):
         print(_row([label, tau_value, _fmt(*r[:3]), f"{1 / r[0]:.2f}x", f"{r[3]:.3f}", f"{r[4]:.3f}"]))
         _record("model", measure="generate left-padded batch", prompts=lengths, new_tokens=size["new_tokens"],
                 tau=tau_value, **_raw(r))
-        for length in size["train"] if size.get("train_steps", True) else []:
-            ids = torch.randint(0, vocab, (1, length))
-            opt_lazy = torch.optim.AdamW(lazy.parameters(), lr=1e-6)
-            opt_llama = torch.optim.AdamW(llama.parameters(), lr=1e-6)
+        train = [(f"train step L={length}", dict(measure="train step", length=length), length, None)
+                 for length in size["train"]]
+        length, docs = size["packed_train"]  # packed documents, restarting positions (lazy-finetune's blocks)
+        train.append((f"packed train step L={length} ({len(docs)} documents)",
+                      dict(measure="packed train step", length=length, documents=docs), length,
+                      torch.cat([torch.arange(n) for n in docs])[None]))
+        for label, fields, length, positions in train if size.get("train_steps", True) else []:
+            r = _train_ratio(lazy, llama, torch.randint(0, vocab, (1, length)), positions,
+                             max(3, size["rounds"] // 2))
+            print(_row([label, tau_value, _fmt(*r[:3]), f"{1 / r[0]:.2f}x", f"{r[3]:.3f}", f"{r[4]:.3f}"]))
+            _record("model", **fields, tau=tau_value, **_raw(r))
 
-            def step(model, opt):
-                model(ids, labels=ids).loss.backward()
-                opt.step()
-                opt.zero_grad(set_to_none=True)
 
-            lazy.train(), llama.train()
-            r = interleaved_ratio(lambda: step(lazy, opt_lazy), lambda: step(llama, opt_llama),
-                                  max(3, size["rounds"] // 2))
-            lazy.eval(), llama.eval()
-            print(_row([f"train step L={length}", tau_value, _fmt(*r[:3]), f"{1 / r[0]:.2f}x", f"{r[3]:.3f}",
-                        f"{r[4]:.3f}"]))
-            _record("model", measure="train step", length=length, tau=tau_value, **_raw(r))
-        if size.get("train_steps", True):  # packed documents, restarting positions (lazy-finetune's blocks)
-            length, docs = size["packed_train"]
-            ids = torch.randint(0, vocab, (1, length))
-            positions = torch.cat([torch.arange(n) for n in docs])[None]
-            opt_lazy = torch.optim.AdamW(lazy.parameters(), lr=1e-6)
-            opt_llama = torch.optim.AdamW(llama.parameters(), lr=1e-6)
+def _train_ratio(lazy, llama, ids, positions, rounds):
+    """Interleaved ratio of one optimizer step (forward, backward, AdamW) of each model on `ids` (`positions`: the
+    position_ids both models get, None for the plain layout)."""
+    optimizers = {model: torch.optim.AdamW(model.parameters(), lr=1e-6) for model in (lazy, llama)}
 
-            def packed_step(model, opt):
-                model(ids, position_ids=positions, labels=ids).loss.backward()
-                opt.step()
-                opt.zero_grad(set_to_none=True)
+    def step(model):
+        model(ids, position_ids=positions, labels=ids).loss.backward()
+        optimizers[model].step()
+        optimizers[model].zero_grad(set_to_none=True)
 
-            lazy.train(), llama.train()
-            r = interleaved_ratio(lambda: packed_step(lazy, opt_lazy), lambda: packed_step(llama, opt_llama),
-                                  max(3, size["rounds"] // 2))
-            lazy.eval(), llama.eval()
-            print(_row([f"packed train step L={length} ({len(docs)} documents)", tau_value, _fmt(*r[:3]),
-                        f"{1 / r[0]:.2f}x", f"{r[3]:.3f}", f"{r[4]:.3f}"]))
-            _record("model", measure="packed train step", length=length, documents=docs, tau=tau_value, **_raw(r))
+    lazy.train(), llama.train()
+    try:
+        return interleaved_ratio(lambda: step(lazy), lambda: step(llama), rounds)
+    finally:
+        lazy.eval(), llama.eval()
 
 
 class InPlaceLayer(DynamicLayer):

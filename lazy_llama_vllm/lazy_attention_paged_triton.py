@@ -64,7 +64,7 @@ def _lazy_paged_fwd_kernel(Q, K, V, TAU, BAND, BLOCK_TABLE, QUERY_START, KLEN, T
     row_mask = rows < Tq
     q = _load_rows(Q + q_start.to(tl.int64) * stride_qt + h.to(tl.int64) * stride_qh, stride_qt, rows, offs_d, Tq, D)
     acc, _, _, _ = causal_passes(q, rows + Tk - Tq, K + hk * stride_kh, V + hk * stride_vh, stride_kt, stride_vt,
-                                 BAND + h * BAND_LEN, Hq * BAND_LEN, TAU + h, m0, Tq, Tk, W, scale_log2,
+                                 BAND + h * BAND_LEN, TAU + h, m0, Tq, Tk, W, scale_log2,
                                   BLOCK_M, BLOCK_N, BLOCK_D, D, UPCAST, PRECISION,
                                   BLOCK_TABLE + r.to(tl.int64) * stride_tb, stride_kb, stride_vb, PAGE_SIZE)
     out_ptrs = OUT + (q_start + rows).to(tl.int64)[:, None] * stride_ot + h.to(tl.int64) * stride_oh + offs_d[None, :]

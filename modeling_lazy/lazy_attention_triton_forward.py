@@ -265,16 +265,15 @@ def _causal_out_tiles(q, acc, u, K, V, stride_kt, stride_vt, band, diagonal, q_k
 
 
 @triton.jit
-def causal_passes(q, q_pos, K, V, stride_kt, stride_vt, band_h, BAND_PLANE, TAU_h, m0, Tq, Tk, W, scale_log2,
+def causal_passes(q, q_pos, K, V, stride_kt, stride_vt, band_h, TAU_h, m0, Tq, Tk, W, scale_log2,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, D: tl.constexpr,
                    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
                    BT=None, stride_kb=0, stride_vb=0, PAGE_SIZE: tl.constexpr = 0, STORE_U: tl.constexpr = False):
     """Both passes of the causal fast path for the query rows [m0, m0 + BM) of one head (row i at key index
     i + Tk - Tq, n = q_pos + 1), each as three loops (beyond the window / inside it / at the causal limit).
-    `band_h`: the head's band row in log2 units (`BAND_PLANE`: the offset of its q.k-unit copy, which these passes
-    do not read); `TAU_h`: the head's tau. PAGE_SIZE > 0:
-    K and V are a paged cache (`_load_keys`). Returns `(acc [BM, BLOCK_D] float32, u, alive [BM], lse2 [BM])`;
-    `u = sum_j m_ij v_j` (float32) with `STORE_U`, zeros otherwise."""
+    `band_h`: the head's band row in log2 units (every pass adds it after scaling); `TAU_h`: the head's tau.
+    PAGE_SIZE > 0: K and V are a paged cache (`_load_keys`). Returns `(acc [BM, BLOCK_D] float32, u, alive [BM],
+    lse2 [BM])`; `u = sum_j m_ij v_j` (float32) with `STORE_U`, zeros otherwise."""
     offs_m = tl.arange(0, BLOCK_M)
     rows = m0 + offs_m
     far, full, hi = _causal_key_ranges(m0, Tq, Tk, W, BLOCK_M, BLOCK_N)
@@ -333,7 +332,7 @@ def _lazy_causal_fwd_kernel(Q, K, V, TAU, BAND, QPOS, OUT, LSE, U,
     q_pos = tl.load(QPOS + b * Tq + rows, mask=row_mask, other=0)
     acc, u, alive, lse2 = causal_passes(q, q_pos, K + b * stride_kb + hk * stride_kh,
                                         V + b * stride_vb + hk * stride_vh, stride_kt, stride_vt, BAND + h * BAND_LEN,
-                                        Hq * BAND_LEN, TAU + h, m0, Tq, Tk, W, scale_log2, BLOCK_M, BLOCK_N, BLOCK_D,
+                                        TAU + h, m0, Tq, Tk, W, scale_log2, BLOCK_M, BLOCK_N, BLOCK_D,
                                         D, UPCAST, PRECISION, STORE_U=STORE_U)
     out_offs = b * stride_ob + h.to(tl.int64) * stride_oh + rows[:, None] * stride_ot + offs_d[None, :]
     out_mask = row_mask[:, None] & (offs_d[None, :] < D)
