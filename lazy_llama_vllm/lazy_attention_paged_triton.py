@@ -5,7 +5,8 @@ backend is in lazy_attention_paged_op.py).
     _lazy_paged_fwd_kernel                the causal fast path's passes (`causal_passes` of
                                           modeling_lazy/lazy_attention_triton_forward.py) for a mixed vLLM step: query
                                           tiles of many requests (varlen), K and V through the cache's block table
-    _varlen_tiles / _paged_prefill        its work list and launcher
+    _paged_prefill                        its launcher (work list: `_varlen_tiles`, shared with the model's
+                                          packed-document kernels)
     lazy_attention_triton_paged_decode    one token per request: the packed decode (`_packed_decode` of
                                           modeling_lazy/lazy_attention_triton_decode.py) with a block table
     lazy_attention_triton_paged           a mixed step (prompts, chunks, decode tokens): decode tokens first through
@@ -28,6 +29,7 @@ from modeling_lazy.lazy_attention_triton_common import (
     _launch_config,
     _load_rows,
     _strides,
+    _varlen_tiles,
     tl,
     triton,
 )
@@ -71,25 +73,6 @@ def _lazy_paged_fwd_kernel(Q, K, V, TAU, BAND, BLOCK_TABLE, QUERY_START, KLEN, T
     tl.store(out_ptrs, acc.to(OUT.dtype.element_ty), mask=row_mask[:, None] & (offs_d[None, :] < D))
 
 
-def _varlen_tiles(query_start_loc, num_tokens, block_m, max_query_len=None):
-    """`[programs, 2]` int32 work list of the varlen paged prefill, built on the device (no host sync): (request,
-    first query row) for every `block_m`-row tile of every request, then (-1, 0) for the spare programs of the upper
-    bound `sum_r cdiv(q_len_r, BM) <= (T + R (BM - 1)) // BM` (and <= R cdiv(max_query_len, BM))."""
-    q_lens = query_start_loc.diff().to(torch.int64)
-    requests = q_lens.numel()
-    programs = (num_tokens + requests * (block_m - 1)) // block_m
-    if max_query_len is not None:
-        programs = min(programs, requests * triton.cdiv(max_query_len, block_m))
-    tiles = (q_lens + block_m - 1) // block_m
-    ends = tiles.cumsum(0)
-    index = torch.arange(programs, device=query_start_loc.device)
-    request = torch.searchsorted(ends, index, right=True)
-    live = request < requests
-    request = request.clamp(max=requests - 1)
-    first = (index - (ends - tiles).index_select(0, request)) * block_m
-    return torch.stack([torch.where(live, request, -1), torch.where(live, first, 0)], 1).to(torch.int32).contiguous()
-
-
 def _paged_prefill(query, key, value, block_table, query_start_loc, seq_lens, tau, distance_bias, scaling,
                    max_query_len=None):
     """Launch the varlen paged prefill: `out [T, Hq, D]`. query `[T, Hq, D]`; key, value the paged caches
@@ -99,7 +82,7 @@ def _paged_prefill(query, key, value, block_table, query_start_loc, seq_lens, ta
     num_tokens, num_heads, dim = query.shape
     block_m, block_n, num_warps, num_stages = _launch_config("paged_fwd", block_d, query.device)
     out = torch.empty_like(query)
-    tiles = _varlen_tiles(query_start_loc, num_tokens, block_m, max_query_len)
+    tiles = _varlen_tiles(query_start_loc.diff(), num_tokens, block_m, max_query_len)
     if tiles.shape[0] == 0:
         return out
     band = _bias_band(distance_bias, scaling, block_m, block_n)

@@ -33,7 +33,7 @@ import torch
 
 from .lazy_attention_cpu import decode_supported
 from .lazy_attention_reference import DECODE_MAX_ROWS, LazyMetadata, _is_causal_layout, environment_setting
-from .lazy_attention_torch import left_padding, softmax_only, torch_backward, torch_forward
+from .lazy_attention_torch import document_table, left_padding, softmax_only, torch_backward, torch_forward
 
 try:
     from .lazy_attention_triton import _backward, _causal_forward, _check_inputs, _forward, _packed_decode
@@ -85,7 +85,7 @@ def uses_triton(device: torch.device, dtype: torch.dtype = torch.float32, backen
 
 def choose_kernel(device: torch.device, dtype: torch.dtype, query_rows: int, batch: int, causal: bool,
                   static_buffer: bool, needs_grad: bool, *, backend: str | None = None, softmax_only: bool = False,
-                  native_layout: bool = False, left_padded: bool = False) -> str:
+                  native_layout: bool = False, left_padded: bool = False, documents: bool = False) -> str:
     """The kernel for one attention call: the whole routing of LazyLlama in one table, read top to bottom.
 
     Args: the query's device and dtype, query rows `Tq`, batch `B`, the metadata's layout (`causal`;
@@ -93,15 +93,20 @@ def choose_kernel(device: torch.device, dtype: torch.dtype, query_rows: int, bat
     `backend` (None: `LAZY_LLAMA_BACKEND`), and three facts only real tensors give (asked inside the PyTorch op;
     False at trace time): `softmax_only` (tau and the distance bias all zero, and SDPA's causal mask aligned: one
     query row or no cached keys) and `native_layout` (key and value in the query's dtype with contiguous channels,
-    the native op's layout: `lazy_attention_cpu.decode_supported`, which also says whether the op is installed) and
-    `left_padded` (one row per sequence after left padding: `lazy_attention_torch.left_padding`).
+    the native op's layout: `lazy_attention_cpu.decode_supported`, which also says whether the op is installed),
+    `left_padded` (one row per sequence after left padding: `lazy_attention_torch.left_padding`) and `documents`
+    (packed documents and/or padded rows, each document a causal layout of its own, no cache:
+    `lazy_attention_torch.document_table`; asked in eager calls only).
 
         Triton (uses_triton: LAZY_LLAMA_BACKEND, device, dtype); a static buffer only for one query row
           causal, training or Tq > 16                     triton_causal  (the causal fast path; training stores U
                                                                           for its backward; <= 16 rows: the packed
                                                                           decode forward, the general backward)
           causal, inference, Tq <= 16                     triton_decode  (the packed decode, split-K)
-          otherwise (padding, packing, a static buffer)   triton         (the general kernels)
+          documents (packed, padded rows; eager)          triton_documents (the causal fast path per document:
+                                                                          work lists of document tiles)
+          otherwise (a static buffer, cached keys with    triton         (the general kernels)
+            padding, masks with holes, traced documents)
         PyTorch (lazy_llama::attention)
           training                                        torch_train    (chunked forward, recomputing backward)
           tau = 0 and zero bias, causal, float32/64       torch_sdpa     (scaled_dot_product_attention)
@@ -114,6 +119,8 @@ def choose_kernel(device: torch.device, dtype: torch.dtype, query_rows: int, bat
     if uses_triton(device, dtype, backend) and not (static_buffer and query_rows > 1):
         if causal and (needs_grad or query_rows > DECODE_MAX_ROWS):
             return "triton_causal"
+        if documents and not causal and not static_buffer:
+            return "triton_documents"
         return "triton_decode" if causal else "triton"
     if needs_grad:
         return "torch_train"
@@ -215,13 +222,16 @@ def _torch_autograd(ctx, grad_out, _grad_lse):
 
 def _triton_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, tau: torch.Tensor,
                       distance_bias: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor, q_seg: torch.Tensor,
-                      k_seg: torch.Tensor, causal: bool, store_u: bool, scaling: float
-                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                      k_seg: torch.Tensor, causal: bool, store_u: bool, scaling: float,
+                      documents: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`(out [B, Tq, Hq, D], lse [B, Hq, Tq] float32, u)`: `causal` (the plain causal layout) runs the causal fast
     path (`u` = its U when `store_u`, for the backward; `tl.dot` needs 16 rows, so <= 16 rows run the packed decode,
-    whose backward is the general one), otherwise the general kernel (key offset `Tk - Tq`); u is `[0]` when not
-    stored."""
-    if causal and query.shape[2] > DECODE_MAX_ROWS:
+    whose backward is the general one), `documents` (`document_table`) the causal fast path per document, otherwise
+    the general kernel (key offset `Tk - Tq`); u is `[0]` when not stored."""
+    if documents is not None:
+        out, lse, u = _causal_forward(query, key, value, tau, distance_bias, q_pos, scaling,
+                                      _check_inputs(query, key), store_u, documents)
+    elif causal and query.shape[2] > DECODE_MAX_ROWS:
         out, lse, u = _causal_forward(query, key, value, tau, distance_bias, q_pos, scaling,
                                       _check_inputs(query, key), store_u)
     elif causal:
@@ -235,25 +245,26 @@ def _triton_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
 def _triton_attention_backward(grad_out: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                                tau: torch.Tensor, distance_bias: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
                                q_seg: torch.Tensor, k_seg: torch.Tensor, lse: torch.Tensor, out: torch.Tensor,
-                               u: torch.Tensor, causal: bool, scaling: float
+                               u: torch.Tensor, causal: bool, scaling: float, documents: torch.Tensor | None = None
                                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     dq, dk, dv, d_tau, d_bias = _backward(grad_out, query, key, value, tau, distance_bias, q_pos, k_pos, q_seg, k_seg,
-                                          lse, scaling, causal=causal, out=out, u=u)
+                                          lse, scaling, causal=causal, out=out, u=u, documents=documents)
     return dq, dk, dv, d_tau.to(tau.dtype), d_bias.to(distance_bias.dtype)
 
 
 def _triton_setup_context(ctx, inputs, output):
-    query, key, value, tau, distance_bias, q_pos, k_pos, q_seg, k_seg, causal, _, scaling = inputs
+    query, key, value, tau, distance_bias, q_pos, k_pos, q_seg, k_seg, causal, _, scaling, documents = inputs
     out, lse, u = output
-    ctx.save_for_backward(query, key, value, tau, distance_bias, q_pos, k_pos, q_seg, k_seg, lse, out, u)
+    ctx.save_for_backward(query, key, value, tau, distance_bias, q_pos, k_pos, q_seg, k_seg, lse, out, u, documents)
     ctx.causal, ctx.scaling = causal, scaling
 
 
 def _triton_autograd(ctx, grad_out, _grad_lse, _grad_u):
-    query, key, value, tau, distance_bias, q_pos, k_pos, q_seg, k_seg, lse, out, u = ctx.saved_tensors
+    query, key, value, tau, distance_bias, q_pos, k_pos, q_seg, k_seg, lse, out, u, documents = ctx.saved_tensors
     grads = torch.ops.lazy_llama.triton_attention_backward(grad_out, query, key, value, tau, distance_bias, q_pos,
-                                                           k_pos, q_seg, k_seg, lse, out, u, ctx.causal, ctx.scaling)
-    return (*grads, None, None, None, None, None, None, None)
+                                                           k_pos, q_seg, k_seg, lse, out, u, ctx.causal, ctx.scaling,
+                                                           documents)
+    return (*grads, None, None, None, None, None, None, None, None)
 
 
 def _triton_decode(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, tau: torch.Tensor,
@@ -264,15 +275,16 @@ def _triton_decode(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
 
 
 def _triton_attention_fake(query, key, value, tau, distance_bias, q_pos, k_pos, q_seg, k_seg, causal, store_u,
-                           scaling):
+                           scaling, documents=None):
     bsz, num_heads, q_len, dim = query.shape
     f32 = dict(dtype=torch.float32, device=query.device)
-    u = (bsz, q_len, num_heads, dim) if causal and store_u and q_len > DECODE_MAX_ROWS else (0,)
+    fast = documents is not None or (causal and q_len > DECODE_MAX_ROWS)
+    u = (bsz, q_len, num_heads, dim) if store_u and fast else (0,)
     return query.new_empty(bsz, q_len, num_heads, dim), torch.empty(bsz, num_heads, q_len, **f32), torch.empty(u, **f32)
 
 
 def _triton_attention_backward_fake(grad_out, query, key, value, tau, distance_bias, q_pos, k_pos, q_seg, k_seg, lse,
-                                    out, u, causal, scaling):
+                                    out, u, causal, scaling, documents=None):
     return (torch.empty_like(query), torch.empty_like(key), torch.empty_like(value), torch.empty_like(tau),
             torch.empty_like(distance_bias))
 
@@ -334,6 +346,11 @@ def lazy_attention(query, key, value, tau, distance_bias, metadata: LazyMetadata
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value, tau, distance_bias))
     kernel = choose_kernel(query.device, query.dtype, query.shape[2], query.shape[0], metadata.causal,
                            metadata.static_buffer, needs_grad, backend=backend)
+    documents = None
+    if kernel == "triton" and not _tracing(query):  # a fact only real tensors give (a few host syncs per forward)
+        documents = document_table(metadata)
+        kernel = choose_kernel(query.device, query.dtype, query.shape[2], query.shape[0], metadata.causal,
+                               metadata.static_buffer, needs_grad, backend=backend, documents=documents is not None)
     scaling = float(scaling)
     if kernel.startswith("torch"):
         key_offset = metadata.key_offset if metadata.static_buffer else None
@@ -351,7 +368,8 @@ def lazy_attention(query, key, value, tau, distance_bias, metadata: LazyMetadata
         key_lengths = torch.full((query.shape[0],), key.shape[2], dtype=torch.int32, device=query.device)
         return torch.ops.lazy_llama.triton_decode(query, key, value, tau, distance_bias, q_pos, key_lengths, scaling)
     return torch.ops.lazy_llama.triton_attention(query, key, value, tau, distance_bias, q_pos, k_pos, metadata.q_seg,
-                                                 metadata.k_seg, kernel == "triton_causal", needs_grad, scaling)[0]
+                                                 metadata.k_seg, kernel == "triton_causal", needs_grad, scaling,
+                                                 documents)[0]
 
 
 __all__ = ["BACKEND_ENV", "choose_kernel", "lazy_attention", "uses_triton"]

@@ -361,6 +361,21 @@ def _document_runs(metadata: LazyMetadata) -> tuple[list[tuple[int, int, int]], 
     return _parameter_fact(metadata.k_seg, ("documents", id(metadata.q_pos), id(metadata.k_pos)), build)
 
 
+def document_table(metadata: LazyMetadata) -> torch.Tensor | None:
+    """`[R, 3]` int32 on the metadata's device, one row `(batch row, first token, length)` per document of
+    `_document_runs` (the Triton kernels' per-document causal path), or None for any other layout. Computed once
+    per forward."""
+    runs = _document_runs(metadata)
+    if runs is None:
+        return None
+
+    def build():
+        rows = [(b, s, e - s) for b, s, e in runs[0]]
+        return torch.tensor(rows, dtype=torch.int32).reshape(-1, 3).to(metadata.k_seg.device)
+
+    return _parameter_fact(metadata.k_seg, ("document_table", id(metadata.q_pos), id(metadata.k_pos)), build)
+
+
 def _span_metadata(metadata: LazyMetadata, b: int, s: int, e: int) -> LazyMetadata:
     """The causal layout of one span of `_document_runs`."""
     pos = metadata.k_pos[b:b + 1, s:e]

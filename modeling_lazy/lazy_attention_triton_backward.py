@@ -39,6 +39,7 @@ from .lazy_attention_triton_common import (
     _row_threshold,
     _scores,
     _strides,
+    _varlen_tiles,
     _visible,
     tl,
     triton,
@@ -323,7 +324,8 @@ def _lazy_causal_bwd_delta_kernel(OUT, U, DO, TAU, QPOS, DELTA, DTAU_PART, strid
     u = tl.load(U + offs, mask=mask, other=0.0)
     do = tl.load(DO + b * stride_dob + h * stride_doh + rows[:, None] * stride_dot + offs_d[None, :], mask=mask,
                  other=0.0).to(tl.float32)
-    inv_n = 1.0 / (tl.load(QPOS + b * Tq + rows, mask=row_mask, other=0) + 1).to(tl.float32)
+    # (a padding row of a documents layout may carry any position; its U is 0)
+    inv_n = 1.0 / tl.maximum(tl.load(QPOS + b * Tq + rows, mask=row_mask, other=0) + 1, 1).to(tl.float32)
     do_u = tl.sum(do * u, 1)
     tl.store(DELTA + pid_bh.to(tl.int64) * Tq + rows, tl.sum(do * o, 1) - tl.load(TAU + h) * inv_n * do_u,
              mask=row_mask)
@@ -331,39 +333,65 @@ def _lazy_causal_bwd_delta_kernel(OUT, U, DO, TAU, QPOS, DELTA, DTAU_PART, strid
 
 
 @triton.jit
-def _lazy_causal_bwd_dq_kernel(Q, K, V, TAU, BAND, QPOS, QSEG, LSE, DO, DELTA, DQ, DBIAS_PART,
+def _lazy_causal_bwd_dq_kernel(Q, K, V, TAU, BAND, QPOS, QSEG, LSE, DO, DELTA, DQ, DBIAS_PART, DOCS, TILES,
                                stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt,
                                stride_vb, stride_vh, stride_vt, stride_dob, stride_doh, stride_dot,
                                Hq, Tq, Tk, W, GROUPS, BAND_LEN, scale_log2, scaling,
                                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                               D: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+                               D: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+                               DOCUMENTS: tl.constexpr = False):
     """Causal fast path of `_lazy_bwd_dq_kernel`: dq_i = scaling sum_j dS_ij k_j over the forward's three key
     ranges, and the query tile's d distance_bias partial, a private float32 row of DBIAS_PART
-    [B * Hq * cdiv(Tq, BM), W] (which no other program adds to). Grid (cdiv(Tq, BM), B * Hq)."""
+    [programs, W] (which no other program adds to). Grid (cdiv(Tq, BM), B * Hq), or with `DOCUMENTS` (see
+    `_lazy_causal_fwd_kernel`) (len(TILES), Hq)."""
     tl.static_assert(BLOCK_N <= BLOCK_M)  # `_diagonal_sums` wraps each column at most once
-    pid_m, pid_bh, b, h, hk, rows, offs_d, row_mask, _ = _bwd_query_ids(Hq, Tq, Tk, GROUPS, BLOCK_M, BLOCK_D)
-    q, do, q_pos, _, lse, _, threshold = _bwd_query_loads(
-        Q, DO, TAU, QPOS, QSEG, LSE, stride_qb, stride_qh, stride_qt, stride_dob, stride_doh, stride_dot, pid_bh, b,
-        h, rows, offs_d, row_mask, Tq, D)
-    m0 = pid_m * BLOCK_M
-    far, full, hi = _causal_key_ranges(m0, Tq, Tk, W, BLOCK_M, BLOCK_N)
-    K_ = K + b * stride_kb + hk * stride_kh
-    V_ = V + b * stride_vb + hk * stride_vh
-    band = BAND + h * BAND_LEN + (BLOCK_M + BLOCK_N) + m0 + Tk - Tq  # band of distance m0 + offset - start_n
+    if DOCUMENTS:
+        h = tl.program_id(1).to(tl.int64)
+        doc = tl.load(TILES + 2 * tl.program_id(0))
+        m0 = tl.load(TILES + 2 * tl.program_id(0) + 1)
+        row = tl.maximum(doc, 0) * 3
+        b = tl.load(DOCS + row).to(tl.int64)
+        start = tl.load(DOCS + row + 1).to(tl.int64)
+        length = tl.where(doc >= 0, tl.load(DOCS + row + 2), 0)
+        q_len = length
+        k_len = length
+    else:
+        pid_bh = tl.program_id(1)
+        b = (pid_bh // Hq).to(tl.int64)
+        h = (pid_bh % Hq).to(tl.int64)
+        m0 = tl.program_id(0) * BLOCK_M
+        start = 0
+        q_len = Tq
+        k_len = Tk
+    hk = h // GROUPS
+    offs_d = tl.arange(0, BLOCK_D)
+    rows = m0 + tl.arange(0, BLOCK_M)
+    row_mask = rows < q_len
+    row_offs = (b * Hq + h) * Tq + start  # the (batch row, head) row of LSE and DELTA, at the document's start
+    q_ = Q + b * stride_qb + h * stride_qh + start * stride_qt
+    q = _load_rows(q_, stride_qt, rows, offs_d, q_len, D)
+    do = _load_rows(DO + b * stride_dob + h * stride_doh + start * stride_dot, stride_dot, rows, offs_d, q_len, D)
+    q_pos = tl.load(QPOS + b * Tq + start + rows, mask=row_mask, other=0)
+    # the causal forward stores log2 units; a dead row's DEAD_ROW_LSE gives p = 0 (threshold -1e30)
+    lse2 = tl.load(LSE + row_offs + rows, mask=row_mask, other=_DEAD_ROW_LSE)
+    threshold = _row_threshold(tl.load(TAU + h), q_pos, lse2)
+    far, full, hi = _causal_key_ranges(m0, q_len, k_len, W, BLOCK_M, BLOCK_N)
+    K_ = K + b * stride_kb + hk * stride_kh + start * stride_kt
+    V_ = V + b * stride_vb + hk * stride_vh + start * stride_vt
+    band = BAND + h * BAND_LEN + (BLOCK_M + BLOCK_N) + m0 + k_len - q_len  # band of distance m0 + offset - start_n
     diagonal = tl.arange(0, BLOCK_M)[:, None] - tl.arange(0, BLOCK_N)[None, :]
-    q_key_idx = rows + Tk - Tq
-    lse2 = lse  # the causal forward stores log2 units; a dead row's DEAD_ROW_LSE gives p = 0 (threshold -1e30)
-    delta = tl.load(DELTA + pid_bh.to(tl.int64) * Tq + rows, mask=row_mask, other=0.0)
+    q_key_idx = rows + k_len - q_len
+    delta = tl.load(DELTA + row_offs + rows, mask=row_mask, other=0.0)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    dbias_row = DBIAS_PART + (pid_bh.to(tl.int64) * tl.num_programs(0) + pid_m) * W
-    args = (K_, V_, stride_kt, stride_vt, band, diagonal, q_key_idx, dbias_row, m0 + Tk - Tq)
-    acc = _causal_bwd_query_tiles(q, do, lse2, threshold, delta, acc, *args, 0, far, Tk, W, scale_log2,
+    dbias_row = DBIAS_PART + (tl.program_id(1).to(tl.int64) * tl.num_programs(0) + tl.program_id(0)) * W
+    args = (K_, V_, stride_kt, stride_vt, band, diagonal, q_key_idx, dbias_row, m0 + k_len - q_len)
+    acc = _causal_bwd_query_tiles(q, do, lse2, threshold, delta, acc, *args, 0, far, k_len, W, scale_log2,
                                   BLOCK_M, BLOCK_N, BLOCK_D, D, False, False, UPCAST, PRECISION)
-    acc = _causal_bwd_query_tiles(q, do, lse2, threshold, delta, acc, *args, far, full, Tk, W, scale_log2,
+    acc = _causal_bwd_query_tiles(q, do, lse2, threshold, delta, acc, *args, far, full, k_len, W, scale_log2,
                                   BLOCK_M, BLOCK_N, BLOCK_D, D, True, False, UPCAST, PRECISION)
-    acc = _causal_bwd_query_tiles(q, do, lse2, threshold, delta, acc, *args, full, hi, Tk, W, scale_log2,
+    acc = _causal_bwd_query_tiles(q, do, lse2, threshold, delta, acc, *args, full, hi, k_len, W, scale_log2,
                                   BLOCK_M, BLOCK_N, BLOCK_D, D, True, True, UPCAST, PRECISION)
-    tl.store(DQ + b * stride_qb + h * stride_qh + rows[:, None] * stride_qt + offs_d[None, :],
+    tl.store(DQ + b * stride_qb + h * stride_qh + (start + rows)[:, None] * stride_qt + offs_d[None, :],
              (acc * scaling).to(DQ.dtype.element_ty), mask=row_mask[:, None] & (offs_d[None, :] < D))
 
 
@@ -395,46 +423,62 @@ def _causal_dkdv_tiles(dk, dv, k, v, Q, DO, QPOS, LSE, DELTA, band, tau_h, n0, l
 
 
 @triton.jit
-def _lazy_causal_bwd_dkdv_kernel(Q, K, V, TAU, BAND, QPOS, LSE, DELTA, DO, DK, DV,
+def _lazy_causal_bwd_dkdv_kernel(Q, K, V, TAU, BAND, QPOS, LSE, DELTA, DO, DK, DV, DOCS, TILES,
                                  stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt,
                                  stride_vb, stride_vh, stride_vt, stride_dob, stride_doh, stride_dot,
                                  stride_dkb, stride_dkh, stride_dkt, Hq, Tq, Tk, W, GROUPS, BAND_LEN, scale_log2,
                                  scaling, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                                 D: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+                                 D: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+                                 DOCUMENTS: tl.constexpr = False):
     """Causal fast path of `_lazy_bwd_dkdv_kernel`: the dk, dv terms of one key tile from one query head (the bias
     gradient comes from the dq kernel). DK, DV `[B, Hq, Tk, D]` (strides `stride_dk*`): the gradients themselves
     without GQA, float32 per-query-head terms the launcher sums over each group with it (a loop over the group
-    here would keep every loop's invariants live at once: spills). Grid: (cdiv(Tk, BN), B * Hq)."""
-    pid_n = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    b = (pid_bh // Hq).to(tl.int64)
-    h = (pid_bh % Hq).to(tl.int64)
+    here would keep every loop's invariants live at once: spills). Grid: (cdiv(Tk, BN), B * Hq), or with
+    `DOCUMENTS` (see `_lazy_causal_fwd_kernel`; TILES of BN-key tiles) (len(TILES), Hq)."""
+    if DOCUMENTS:
+        h = tl.program_id(1).to(tl.int64)
+        doc = tl.load(TILES + 2 * tl.program_id(0))
+        n0 = tl.load(TILES + 2 * tl.program_id(0) + 1)
+        row = tl.maximum(doc, 0) * 3
+        b = tl.load(DOCS + row).to(tl.int64)
+        start = tl.load(DOCS + row + 1).to(tl.int64)
+        length = tl.where(doc >= 0, tl.load(DOCS + row + 2), 0)
+        q_len = length
+        k_len = length
+    else:
+        pid_bh = tl.program_id(1)
+        b = (pid_bh // Hq).to(tl.int64)
+        h = (pid_bh % Hq).to(tl.int64)
+        n0 = tl.program_id(0) * BLOCK_N
+        start = 0
+        q_len = Tq
+        k_len = Tk
     hk = h // GROUPS
-    n0 = pid_n * BLOCK_N
     offs_d = tl.arange(0, BLOCK_D)
     keys = n0 + tl.arange(0, BLOCK_N)
-    k = _load_rows(K + b * stride_kb + hk * stride_kh, stride_kt, keys, offs_d, Tk, D)
-    v = _load_rows(V + b * stride_vb + hk * stride_vh, stride_vt, keys, offs_d, Tk, D)
-    offset = Tk - Tq
-    # query tiles: [start, near) cross the causal limit, [near, far) see the whole key tile inside the bias window,
-    # [far, Tq) see it entirely at distances >= W (min distance m0 + offset - (n0 + BN - 1))
-    start = tl.maximum(n0 - offset, 0) // BLOCK_M * BLOCK_M
-    near = tl.maximum(start, tl.cdiv(tl.maximum(n0 + BLOCK_N - 1 - offset, 0), BLOCK_M) * BLOCK_M)
+    k = _load_rows(K + b * stride_kb + hk * stride_kh + start * stride_kt, stride_kt, keys, offs_d, k_len, D)
+    v = _load_rows(V + b * stride_vb + hk * stride_vh + start * stride_vt, stride_vt, keys, offs_d, k_len, D)
+    offset = k_len - q_len
+    # query tiles: [first, near) cross the causal limit, [near, far) see the whole key tile inside the bias window,
+    # [far, q_len) see it entirely at distances >= W (min distance m0 + offset - (n0 + BN - 1))
+    first = tl.maximum(n0 - offset, 0) // BLOCK_M * BLOCK_M
+    near = tl.maximum(first, tl.cdiv(tl.maximum(n0 + BLOCK_N - 1 - offset, 0), BLOCK_M) * BLOCK_M)
     far = tl.maximum(near, tl.cdiv(tl.maximum(n0 + BLOCK_N - 1 + W - offset, 0), BLOCK_M) * BLOCK_M)
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
-    bh = pid_bh.to(tl.int64)
-    args = (k, v, Q + b * stride_qb + h * stride_qh, DO + b * stride_dob + h * stride_doh, QPOS + b * Tq,
-            LSE + bh * Tq, DELTA + bh * Tq, BAND + h * BAND_LEN + (BLOCK_M + BLOCK_N) + offset, tl.load(TAU + h),
+    row_offs = (b * Hq + h) * Tq + start  # the (batch row, head) row of LSE and DELTA, at the document's start
+    args = (k, v, Q + b * stride_qb + h * stride_qh + start * stride_qt,
+            DO + b * stride_dob + h * stride_doh + start * stride_dot, QPOS + b * Tq + start, LSE + row_offs,
+            DELTA + row_offs, BAND + h * BAND_LEN + (BLOCK_M + BLOCK_N) + offset, tl.load(TAU + h),
             n0)  # the band pointer + m0: the band of distance m0 + offset - n0
-    dk, dv = _causal_dkdv_tiles(dk, dv, *args, start, tl.minimum(near, Tq), Tq, offset, stride_qt, stride_dot,
+    dk, dv = _causal_dkdv_tiles(dk, dv, *args, first, tl.minimum(near, q_len), q_len, offset, stride_qt, stride_dot,
                                 scale_log2, BLOCK_M, BLOCK_N, BLOCK_D, D, True, True, UPCAST, PRECISION)
-    dk, dv = _causal_dkdv_tiles(dk, dv, *args, near, tl.minimum(far, Tq), Tq, offset, stride_qt, stride_dot,
+    dk, dv = _causal_dkdv_tiles(dk, dv, *args, near, tl.minimum(far, q_len), q_len, offset, stride_qt, stride_dot,
                                 scale_log2, BLOCK_M, BLOCK_N, BLOCK_D, D, True, False, UPCAST, PRECISION)
-    dk, dv = _causal_dkdv_tiles(dk, dv, *args, far, Tq, Tq, offset, stride_qt, stride_dot,
+    dk, dv = _causal_dkdv_tiles(dk, dv, *args, far, q_len, q_len, offset, stride_qt, stride_dot,
                                 scale_log2, BLOCK_M, BLOCK_N, BLOCK_D, D, False, False, UPCAST, PRECISION)
-    out = b * stride_dkb + h * stride_dkh + keys[:, None] * stride_dkt + offs_d[None, :]
-    kv_mask = (keys[:, None] < Tk) & (offs_d[None, :] < D)
+    out = b * stride_dkb + h * stride_dkh + (start + keys)[:, None] * stride_dkt + offs_d[None, :]
+    kv_mask = (keys[:, None] < k_len) & (offs_d[None, :] < D)
     tl.store(DK + out, (dk * scaling).to(DK.dtype.element_ty), mask=kv_mask)
     tl.store(DV + out, dv.to(DV.dtype.element_ty), mask=kv_mask)
 
@@ -455,22 +499,23 @@ def _with_gradient_buffer(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _backward(grad_out, query, key, value, tau, distance_bias, q_pos, k_pos, q_seg, k_seg, lse, scaling,
-              causal=False, out=None, u=None) -> BackwardResult:
+              causal=False, out=None, u=None, documents=None) -> BackwardResult:
     """Launch Delta (with d tau partials), dq, then dk/dv (with d distance_bias partials); no atomics across programs.
 
     `causal` (the metadata's plain causal layout) runs the causal fast path for query lengths > 16, as the forward
-    does; it needs the forward's `out` and `u` (`_causal_forward(..., store_u=True)`).
+    does; it needs the forward's `out` and `u` (`_causal_forward(..., store_u=True)`); so does `documents` (the
+    forward's document table: the causal fast path per document).
     Returns `BackwardResult(dq, dk, dv, d_tau [Hq] float32, d_bias [Hq, W] float32)`."""
     block_d = _check_inputs(query, key)
     bsz, num_heads, q_len, dim = query.shape
     kv_heads, k_len, window = key.shape[1], key.shape[2], distance_bias.shape[-1]
     (query, dq), (key, dk), (value, dv) = (_with_gradient_buffer(x) for x in (query, key, value))
     grad_out = _last_dim_contiguous(grad_out)
-    if causal and q_len > DECODE_MAX_ROWS:
+    if (causal and q_len > DECODE_MAX_ROWS) or documents is not None:
         if out is None or u is None:
             raise ValueError("the causal fast-path backward needs the forward's out and U (store_u=True)")
         return _causal_backward(grad_out, query, key, value, dq, dk, dv, tau, distance_bias, q_pos, q_seg, lse,
-                                scaling, block_d, out, u)
+                                scaling, block_d, out, u, documents)
     groups = num_heads // kv_heads
     tau32 = tau.detach().to(torch.float32).contiguous()
     bias32 = distance_bias.detach().to(torch.float32).contiguous()
@@ -502,43 +547,56 @@ def _backward(grad_out, query, key, value, tau, distance_bias, q_pos, k_pos, q_s
 
 
 def _causal_backward(grad_out, query, key, value, dq, dk, dv, tau, distance_bias, q_pos, q_seg, lse, scaling,
-                     block_d, out, u) -> BackwardResult:
-    """The causal fast-path backward (after `_causal_forward` with `store_u`: its `out` and `u`): Delta from U, dq,
-    dk/dv; `_backward`'s results."""
+                     block_d, out, u, documents=None) -> BackwardResult:
+    """The causal fast-path backward (after `_causal_forward` with `store_u`: its `out` and `u`, and its `documents`
+    table if any): Delta from U, dq, dk/dv; `_backward`'s results. With documents, tokens of no document get zero
+    gradients."""
     bsz, num_heads, q_len, dim = query.shape
     kv_heads, k_len, window = key.shape[1], key.shape[2], distance_bias.shape[-1]
     tau32 = tau.detach().to(torch.float32).contiguous()
+    if documents is not None:  # padding is never written by the per-document kernels
+        for grad in (dq, dk, dv):
+            grad.zero_()
     common = dict(Q=query, K=key, V=value, TAU=tau32, QPOS=q_pos, LSE=lse, DO=grad_out,
                   **_strides("q", query), **_strides("k", key), **_strides("v", value),
                   **_strides("do", grad_out, h=2, t=1), Hq=num_heads, Tq=q_len, Tk=k_len, W=window,
                   GROUPS=num_heads // kv_heads, scale_log2=scaling * LOG2E, BLOCK_D=block_d, D=dim, UPCAST=_INTERPRET,
-                  PRECISION=_DOT_PRECISION[query.dtype])
+                  PRECISION=_DOT_PRECISION[query.dtype], DOCUMENTS=documents is not None)
 
-    def launch(kernel, kind, programs, **arguments):  # programs(BM, BN) -> grid; each kernel its own band
+    def grid(block):  # (work list, grid) of `block`-row tiles: B * Hq rows of tiles, or the documents' tiles
+        if documents is None:
+            return lse, (triton.cdiv(q_len, block), bsz * num_heads)
+        work = _varlen_tiles(documents[:, 2], bsz * q_len, block)
+        return work, (work.shape[0], num_heads)
+
+    def launch(kernel, kind, rows_per_program, **arguments):  # each kernel its own band and work list
         block_m, block_n, num_warps, num_stages = _launch_config(kind, block_d, query.device)
         band = _bias_band(distance_bias, scaling, block_m, block_n)
-        wrap_triton(kernel)[programs(block_m, block_n)](**common, **arguments, BAND=band, BAND_LEN=band.shape[-1],
-                                           BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
-                                           num_stages=num_stages)
+        work, programs = grid(rows_per_program(block_m, block_n))
+        if programs[0] == 0:  # nothing but padding
+            return
+        wrap_triton(kernel)[programs](**common, **arguments, BAND=band, BAND_LEN=band.shape[-1],
+                                      DOCS=lse if documents is None else documents, TILES=work,
+                                      BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages)
 
-    query_tiles = lambda block_m, block_n: (triton.cdiv(q_len, block_m), bsz * num_heads)  # noqa: E731
     delta = torch.empty(bsz, num_heads, q_len, dtype=torch.float32, device=query.device)
     delta_m, _, delta_warps, delta_stages = _launch_config("causal_delta", block_d, query.device)
     dtau_part = torch.empty(bsz, num_heads, triton.cdiv(q_len, delta_m), dtype=torch.float32, device=query.device)
-    wrap_triton(_lazy_causal_bwd_delta_kernel)[query_tiles(delta_m, None)](
+    wrap_triton(_lazy_causal_bwd_delta_kernel)[(triton.cdiv(q_len, delta_m), bsz * num_heads)](
         OUT=out, U=u, DO=grad_out, TAU=tau32, QPOS=q_pos, DELTA=delta, DTAU_PART=dtau_part,
         **_strides("o", out, h=2, t=1), **_strides("do", grad_out, h=2, t=1), Hq=num_heads, Tq=q_len,
         BLOCK_M=delta_m, BLOCK_D=block_d, D=dim, num_warps=delta_warps, num_stages=delta_stages)
     dq_rows = _launch_config("causal_dq", block_d, query.device)[0]
-    dbias_part = torch.zeros(bsz, num_heads, triton.cdiv(q_len, dq_rows), window, dtype=torch.float32,
+    dq_programs = grid(dq_rows)[1][0]  # one private d distance_bias row per (program, head) of the dq kernel
+    dbias_part = torch.zeros(bsz if documents is None else 1, num_heads, dq_programs, window, dtype=torch.float32,
                              device=query.device)
-    launch(_lazy_causal_bwd_dq_kernel, "causal_dq", query_tiles, QSEG=q_seg, DELTA=delta, DQ=dq, DBIAS_PART=dbias_part,
-           scaling=scaling)
+    launch(_lazy_causal_bwd_dq_kernel, "causal_dq", lambda block_m, block_n: block_m, QSEG=q_seg, DELTA=delta, DQ=dq,
+           DBIAS_PART=dbias_part, scaling=scaling)
     groups = num_heads // kv_heads  # with GQA: float32 terms per query head, summed over each group below
+    make = torch.empty if documents is None else torch.zeros
     dk_out, dv_out = (dk, dv) if groups == 1 else (
-        torch.empty(bsz, num_heads, k_len, dim, dtype=torch.float32, device=query.device) for _ in range(2))
-    launch(_lazy_causal_bwd_dkdv_kernel, "causal_dkdv",
-           lambda block_m, block_n: (triton.cdiv(k_len, block_n), bsz * num_heads), DELTA=delta, DK=dk_out,
+        make(bsz, num_heads, k_len, dim, dtype=torch.float32, device=query.device) for _ in range(2))
+    launch(_lazy_causal_bwd_dkdv_kernel, "causal_dkdv", lambda block_m, block_n: block_n, DELTA=delta, DK=dk_out,
            DV=dv_out, **_strides("dk", dk_out), scaling=scaling)
     if groups > 1:
         dk.copy_(dk_out.view(bsz, kv_heads, groups, k_len, dim).sum(2))

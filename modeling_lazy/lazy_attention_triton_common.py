@@ -366,6 +366,26 @@ def _device_splits(batch_heads: int, q_tiles: int, key_length: int, device: torc
     return max(1, min(triton.cdiv(2 * sms, programs), key_length // SPLIT_MIN_KEYS))
 
 
+def _varlen_tiles(lengths: torch.Tensor, num_tokens: int, block: int, max_length: int | None = None) -> torch.Tensor:
+    """`[programs, 2]` int32 work list of a varlen kernel, built on the device (no host sync): (sequence, first row)
+    for every `block`-row tile of every sequence (`lengths [R]`, their sum at most `num_tokens`), then (-1, 0) for
+    the spare programs of the upper bound `sum_r cdiv(len_r, block) <= (num_tokens + R (block - 1)) // block` (and
+    <= R cdiv(max_length, block))."""
+    lengths = lengths.to(torch.int64)
+    sequences = lengths.numel()
+    programs = (num_tokens + sequences * (block - 1)) // block if sequences else 0
+    if max_length is not None:
+        programs = min(programs, sequences * triton.cdiv(max_length, block))
+    tiles = (lengths + block - 1) // block
+    ends = tiles.cumsum(0)
+    index = torch.arange(programs, device=lengths.device)
+    sequence = torch.searchsorted(ends, index, right=True)
+    live = sequence < sequences
+    sequence = sequence.clamp(max=sequences - 1)
+    first = (index - (ends - tiles).index_select(0, sequence)) * block
+    return torch.stack([torch.where(live, sequence, -1), torch.where(live, first, 0)], 1).to(torch.int32).contiguous()
+
+
 def _bias_band(distance_bias: torch.Tensor, scaling: float, block_m: int, block_n: int) -> torch.Tensor:
     """`[2, Hq, W + 2 (BM + BN)]` float32 for the causal fast path: at index `d + BM + BN`, `log2(e) beta_h(d)`
     (row 0, log2 units) and `beta_h(d) / scaling` (row 1, q.k units); -inf for d < 0 (keys after the row), 0 for

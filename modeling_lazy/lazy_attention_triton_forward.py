@@ -8,7 +8,8 @@ decode) and the causal fast-path forward.
                                and partial outputs are combined with a few torch ops (no host sync)
     causal_passes              the causal fast path's two passes for one query tile (shared with vLLM's paged
                                prefill, lazy_llama_vllm/lazy_attention_paged_triton.py)
-    _lazy_causal_fwd_kernel    the causal fast path (`LazyMetadata.causal`, query length > 16)
+    _lazy_causal_fwd_kernel    the causal fast path (`LazyMetadata.causal`, query length > 16), or with
+                               `DOCUMENTS` the same per document (packed documents, padded rows)
     _forward, _causal_forward  the launchers (`ForwardResult`)
 
 Block skipping (general forward): a key tile with no visible entry for the query tile (other document, padding,
@@ -42,6 +43,7 @@ from .lazy_attention_triton_common import (
     _row_threshold,
     _scores,
     _strides,
+    _varlen_tiles,
     _visible,
     tl,
     triton,
@@ -310,38 +312,59 @@ def causal_passes(q, q_pos, K, V, stride_kt, stride_vt, band_h, TAU_h, m0, Tq, T
 
 
 @triton.jit
-def _lazy_causal_fwd_kernel(Q, K, V, TAU, BAND, QPOS, OUT, LSE, U,
+def _lazy_causal_fwd_kernel(Q, K, V, TAU, BAND, QPOS, OUT, LSE, U, DOCS, TILES,
                             stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt,
                             stride_vb, stride_vh, stride_vt, stride_ob, stride_oh, stride_ot,
                             Hq, Tq, Tk, W, GROUPS, BAND_LEN, scale_log2,
                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, D: tl.constexpr,
-                            UPCAST: tl.constexpr, PRECISION: tl.constexpr, STORE_U: tl.constexpr):
+                            UPCAST: tl.constexpr, PRECISION: tl.constexpr, STORE_U: tl.constexpr,
+                            DOCUMENTS: tl.constexpr = False):
     """Causal fast path, one query tile of one query head: `causal_passes`. Grid: (cdiv(Tq, BM), B * Hq). LSE in
-    natural units. `STORE_U` (training): also U_i = sum_j m_ij v_j into U (float32, OUT's shape and strides), from
-    which `_lazy_causal_bwd_delta_kernel` gets Delta and d tau without another pass over the keys."""
-    pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    b = (pid_bh // Hq).to(tl.int64)
-    h = pid_bh % Hq
+    log2 units. `STORE_U` (training): also U_i = sum_j m_ij v_j into U (float32, OUT's shape and strides), from
+    which `_lazy_causal_bwd_delta_kernel` gets Delta and d tau without another pass over the keys.
+
+    `DOCUMENTS`: the rows hold documents (packed, or between padding), each a causal layout of its own at
+    positions 0 .. length - 1 (Tq = Tk = the row length): DOCS `[R, 3]` int32 (batch row, first token, length),
+    TILES the work list (`_varlen_tiles`: document, first row; -1 for a spare program); program (t, h) runs tile t
+    of query head h, grid (len(TILES), Hq). Tokens of no document are not touched (the launcher zero-fills)."""
+    if DOCUMENTS:
+        h = tl.program_id(1)
+        doc = tl.load(TILES + 2 * tl.program_id(0))
+        m0 = tl.load(TILES + 2 * tl.program_id(0) + 1)
+        row = tl.maximum(doc, 0) * 3
+        b = tl.load(DOCS + row).to(tl.int64)
+        start = tl.load(DOCS + row + 1).to(tl.int64)
+        length = tl.where(doc >= 0, tl.load(DOCS + row + 2), 0)
+        q_len = length
+        k_len = length
+    else:
+        pid_bh = tl.program_id(1)
+        b = (pid_bh // Hq).to(tl.int64)
+        h = pid_bh % Hq
+        m0 = tl.program_id(0) * BLOCK_M
+        start = 0
+        q_len = Tq
+        k_len = Tk
     hk = (h // GROUPS).to(tl.int64)
-    m0 = pid_m * BLOCK_M
+    bh = b * Hq + h
     offs_d = tl.arange(0, BLOCK_D)
     rows = m0 + tl.arange(0, BLOCK_M)
-    row_mask = rows < Tq
-    q = _load_rows(Q + b * stride_qb + h.to(tl.int64) * stride_qh, stride_qt, rows, offs_d, Tq, D)
-    q_pos = tl.load(QPOS + b * Tq + rows, mask=row_mask, other=0)
-    acc, u, alive, lse2 = causal_passes(q, q_pos, K + b * stride_kb + hk * stride_kh,
-                                        V + b * stride_vb + hk * stride_vh, stride_kt, stride_vt, BAND + h * BAND_LEN,
-                                        TAU + h, m0, Tq, Tk, W, scale_log2, BLOCK_M, BLOCK_N, BLOCK_D,
-                                        D, UPCAST, PRECISION, STORE_U=STORE_U)
-    out_offs = b * stride_ob + h.to(tl.int64) * stride_oh + rows[:, None] * stride_ot + offs_d[None, :]
+    row_mask = rows < q_len
+    q = _load_rows(Q + b * stride_qb + h.to(tl.int64) * stride_qh + start * stride_qt, stride_qt, rows, offs_d, q_len,
+                   D)
+    q_pos = tl.load(QPOS + b * Tq + start + rows, mask=row_mask, other=0)
+    acc, u, alive, lse2 = causal_passes(q, q_pos, K + b * stride_kb + hk * stride_kh + start * stride_kt,
+                                        V + b * stride_vb + hk * stride_vh + start * stride_vt, stride_kt, stride_vt,
+                                        BAND + h * BAND_LEN, TAU + h, m0, q_len, k_len, W, scale_log2, BLOCK_M,
+                                        BLOCK_N, BLOCK_D, D, UPCAST, PRECISION, STORE_U=STORE_U)
+    out_offs = b * stride_ob + h.to(tl.int64) * stride_oh + (start + rows)[:, None] * stride_ot + offs_d[None, :]
     out_mask = row_mask[:, None] & (offs_d[None, :] < D)
     tl.store(OUT + out_offs, acc.to(OUT.dtype.element_ty), mask=out_mask)
     if STORE_U:
         tl.store(U + out_offs, u, mask=out_mask)
     # in log2 units, as the causal backward reads it: a round trip through ln would move a row that sits exactly on
     # the ReLU's kink (a one-key row at tau = -1: p = 1, p + tau / n = 0) to the other side in the backward
-    tl.store(LSE + pid_bh.to(tl.int64) * Tq + rows, tl.where(alive, lse2, _DEAD_ROW_LSE), mask=row_mask)
+    tl.store(LSE + bh.to(tl.int64) * Tq + start + rows, tl.where(alive, lse2, _DEAD_ROW_LSE), mask=row_mask)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -398,21 +421,38 @@ def _forward(query, key, value, tau, distance_bias, q_pos, k_pos, q_seg, k_seg, 
     return ForwardResult(o_part.sum(0).to(query.dtype), lse)
 
 
-def _causal_forward(query, key, value, tau, distance_bias, q_pos, scaling, block_d, store_u=False) -> ForwardResult:
+def _causal_forward(query, key, value, tau, distance_bias, q_pos, scaling, block_d, store_u=False,
+                    documents=None) -> ForwardResult:
     """The causal fast-path forward: `ForwardResult(out [B, Tq, Hq, D], lse [B, Hq, Tq] float32 in log2 units (what
     `_causal_backward` reads), u)`; `store_u` (training): u is `U_i = sum_j m_ij v_j`, `[B, Tq, Hq, D]` float32, for
-    `_causal_backward`; otherwise None."""
+    `_causal_backward`; otherwise None.
+
+    `documents` (`[R, 3]` int32: batch row, first token, length; `document_table` of lazy_attention_torch): the
+    rows hold documents, each its own causal layout at positions 0 .. length - 1 (packed documents, padded rows; Tq
+    = Tk); tokens of no document (padding) get out 0, u 0 and the dead-row LSE."""
     bsz, num_heads, q_len, dim = query.shape
     kv_heads, k_len = key.shape[1], key.shape[2]
     kind = "causal_fwd_u" if store_u else "causal_fwd"
     block_m, block_n, num_warps, num_stages = _launch_config(kind, block_d, query.device)
     band = _bias_band(distance_bias, scaling, block_m, block_n)
-    out = torch.empty(bsz, q_len, num_heads, dim, dtype=query.dtype, device=query.device)
-    lse = torch.empty(bsz, num_heads, q_len, dtype=torch.float32, device=query.device)
-    u = torch.empty(bsz, q_len, num_heads, dim, dtype=torch.float32, device=query.device) if store_u else None
-    wrap_triton(_lazy_causal_fwd_kernel)[(triton.cdiv(q_len, block_m), bsz * num_heads)](
+    f32 = dict(dtype=torch.float32, device=query.device)
+    if documents is None:
+        out = torch.empty(bsz, q_len, num_heads, dim, dtype=query.dtype, device=query.device)
+        lse = torch.empty(bsz, num_heads, q_len, **f32)
+        u = torch.empty(bsz, q_len, num_heads, dim, **f32) if store_u else None
+        tiles, grid = lse, (triton.cdiv(q_len, block_m), bsz * num_heads)
+    else:
+        out = torch.zeros(bsz, q_len, num_heads, dim, dtype=query.dtype, device=query.device)
+        lse = torch.full((bsz, num_heads, q_len), DEAD_ROW_LSE, **f32)
+        u = torch.zeros(bsz, q_len, num_heads, dim, **f32) if store_u else None
+        tiles = _varlen_tiles(documents[:, 2], bsz * q_len, block_m)
+        grid = (tiles.shape[0], num_heads)
+        if tiles.shape[0] == 0:  # nothing but padding
+            return ForwardResult(out, lse, u)
+    wrap_triton(_lazy_causal_fwd_kernel)[grid](
         Q=query, K=key, V=value, TAU=tau.detach().to(torch.float32).contiguous(), BAND=band, QPOS=q_pos,
-        OUT=out, LSE=lse, U=u if store_u else lse, STORE_U=store_u,
+        OUT=out, LSE=lse, U=u if store_u else lse, DOCS=lse if documents is None else documents, TILES=tiles,
+        STORE_U=store_u, DOCUMENTS=documents is not None,
         **_strides("q", query), **_strides("k", key), **_strides("v", value), **_strides("o", out, h=2, t=1),
         Hq=num_heads, Tq=q_len, Tk=k_len, W=distance_bias.shape[-1], GROUPS=num_heads // kv_heads,
         BAND_LEN=band.shape[-1], scale_log2=scaling * LOG2E,

@@ -300,6 +300,100 @@ def causal_fast_path(kernels):
     return errors
 
 
+def document_metadata(kind, bsz, length):
+    """`(q_pos, k_pos, q_seg, k_seg)` of a documents layout, as the model builds it from a padding mask and/or
+    restarting positions (the oracle's `token_layout`): packed documents of mixed lengths (1-token documents, one
+    longer than the bias window), right or left padding, an all-padding row."""
+    from reference64 import token_layout
+
+    from modeling_lazy.lazy_attention_reference import LazyMetadata
+
+    mask, positions = torch.ones(bsz, length, dtype=torch.long), None
+    if kind.startswith("packed"):
+        docs = [1, 40, 3, 1, 19, 2]
+        positions = torch.cat([torch.arange(n) for n in docs])
+        positions = torch.cat([positions, torch.arange(length - len(positions))])[None].repeat(bsz, 1)
+    if kind.endswith("right"):
+        for b, n in enumerate([length, 37, 1, 0][:bsz]):
+            mask[b, n:] = 0
+    if kind.endswith("left"):
+        for b, n in enumerate([length, 37, 1, 0][:bsz]):
+            mask[b, :length - n] = 0
+    meta = LazyMetadata.from_mask(mask, positions, query_length=length)
+    want = token_layout(mask, positions, bsz, length)
+    # the model's metadata has the oracle's visibility (segment ids may be numbered differently)
+    sees = lambda q_seg, k_seg: q_seg[:, :, None] == k_seg[:, None, :]  # noqa: E731
+    assert torch.equal(sees(meta.q_seg.long(), meta.k_seg.long()), sees(*want[2:]))
+    return meta, want
+
+
+DOCUMENT_CASES = {  # name: (dtype, batch, heads, kv heads, length, dim, window, tau, blocks, layout, dead head)
+    "packed-mixed-gqa-sm90": (torch.float32, 1, 4, 2, 150, 64, 24, [-1.0, 0.6, 0.0, -0.4], "sm90", "packed", False),
+    "right-padded-all-padding-row-sm80": (torch.float32, 4, 2, 1, 70, 64, 16, -1.0, "sm80", "right", False),
+    "left-padded-d128-sm90": (torch.float32, 3, 2, 2, 60, 128, 200, [0.5, -1.0], "sm90", "left", False),
+    "packed-and-padded-bf16-sm80": (torch.bfloat16, 3, 2, 1, 96, 64, 8, [-1.0, 0.3], "sm80", "packed+right", False),
+    "packed-dead-rows-sm90": (torch.float32, 2, 2, 1, 96, 64, 8, [0.5, -1.0], "sm90", "packed+right", True),
+}
+
+
+def documents_fast_path(kernels):
+    """Packed documents and padded rows run the causal fast path per document (forward and backward, no general
+    kernel) against the float64 reference: mixed document lengths with 1-token documents and documents longer than
+    the window, right and left padding, an all-padding row, GQA, tau of both signs, a head whose bias is -inf at
+    distance 0 (its one-token rows have no normaliser: compared with the project's reference in float64, whose
+    gradients, unlike the dense oracle's, are defined there), D 64 and 128, both block tables, float32 and
+    bfloat16; padding gets exactly zero output and gradients."""
+    from modeling_lazy.lazy_attention_reference import lazy_attention_reference
+    import modeling_lazy.lazy_attention_ops as ops
+    import modeling_lazy.lazy_attention_triton_common as common
+    import modeling_lazy.lazy_attention_triton_forward as forward_kernels
+    import modeling_lazy.lazy_attention_triton_backward as backward_kernels
+
+    calls = []
+    originals = (forward_kernels._forward, backward_kernels._backward, ops._forward, common._gpu_family)
+
+    def general(*args, **kwargs):
+        raise AssertionError("a general kernel ran")
+
+    forward_kernels._forward = ops._forward = general
+    document_forward = ops._causal_forward
+    ops._causal_forward = lambda *args: calls.append(args[-1] is not None) or document_forward(*args)
+    errors = {}
+    try:
+        for name, case in DOCUMENT_CASES.items():
+            dtype, bsz, heads, kv_heads, length, dim, window, tau, blocks, kind, dead = case
+            common._gpu_family = lambda device, blocks=blocks: blocks
+            meta, layout = document_metadata(kind, bsz, length)
+            query, key, value, tau_t, bias, grad = make_inputs(bsz, heads, kv_heads, length, length, dim, window,
+                                                               dtype, tau)
+            if dead:  # head 0: no key at distance 0, so a 1-token document's row has no normaliser
+                bias[0, 0] = float("-inf")
+            scaling = dim ** -0.5
+            leaves = [x.clone().requires_grad_() for x in (query, key, value, tau_t, bias)]
+            out = kernels.lazy_attention_triton(*leaves, meta, scaling)
+            ref_leaves = [x.detach().double().requires_grad_() for x in (query, key, value, tau_t, bias)]
+            if dead:
+                expected = lazy_attention_reference(*ref_leaves, meta, scaling)[0]
+            else:
+                expected = reference(*ref_leaves, *layout, scaling)
+            out.backward(grad.to(dtype))
+            expected.backward(grad.double())
+            padding = (meta.q_seg < 0)
+            assert torch.equal(out.detach()[padding], torch.zeros_like(out.detach()[padding])), name
+            for leaf in leaves[:3]:
+                assert torch.equal(leaf.grad.transpose(1, 2)[padding], torch.zeros_like(leaf.grad.transpose(1, 2)[padding]))
+            errors[name] = {"out": relative_error(out.detach(), expected.detach())}
+            for grad_name, leaf, ref in zip(("dq", "dk", "dv", "dtau", "dbias"), leaves, ref_leaves):
+                errors[name][grad_name] = relative_error(leaf.grad, ref.grad)
+            assert all(math.isfinite(e) for e in errors[name].values()), (name, errors[name])
+            assert max(errors[name].values()) < TOLERANCE[dtype], (name, errors[name])
+    finally:
+        forward_kernels._forward, backward_kernels._backward, ops._forward, common._gpu_family = originals
+        ops._causal_forward = document_forward
+    assert calls == [True] * len(DOCUMENT_CASES), calls
+    return errors
+
+
 def causal_forward_stores_u(kernels):
     """With `store_u` (what training runs) the causal fast-path forward also returns U_i = sum_j m_ij v_j (m_ij = 1
     where the weight is > 0), from which its backward takes Delta and d tau, against float64: both block tables, three
@@ -658,6 +752,7 @@ CASES = {
     "dead-rows-and-longer-key-buffer": dead_rows_and_longer_key_buffer,
     "causal-fast-path": causal_fast_path,
     "causal-forward-stores-u": causal_forward_stores_u,
+    "documents-fast-path": documents_fast_path,
     "packed-decode-reference": packed_decode_matches_reference,
     "packed-decode-skips-dead-value-tiles": packed_decode_skips_dead_value_tiles,
     "packed-decode-dispatch": packed_decode_dispatch,
