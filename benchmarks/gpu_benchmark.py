@@ -137,6 +137,52 @@ def correctness_gate(device, shapes, keep_going=False) -> list[str]:
     return lines
 
 
+def documents_gate(device, keep_going=False, shrink=1) -> None:
+    """Packed documents (`cu_seq_lens`) and right/left-padded batches through the public entry point: the op layer
+    must run the causal fast path per document (`_causal_forward` with a document table), and the output and five
+    gradients must match the float32 reference as the plain gate's do. `shrink` divides every length (the
+    interpreter's smoke run)."""
+    import modeling_lazy.lazy_attention_ops as ops
+
+    ran, forward = [], ops._causal_forward
+    ops._causal_forward = lambda *args: ran.append(args[-1] is not None) or forward(*args)
+    gen = torch.Generator(device="cpu").manual_seed(5)
+    documents = [max(1, n // shrink) for n in (1, 700, 3, 129, 1, 1000, 64, 90)]
+    cu = torch.tensor([0, *torch.tensor(documents).cumsum(0).tolist()], device=device)
+    row = 1000 // shrink
+    right = (torch.arange(row) < torch.tensor([row, 640 // shrink, 1, 300 // shrink])[:, None]).long().to(device)
+    layouts = [("packed, cu_seq_lens", LazyMetadata.from_cu_seq_lens(cu), 1, sum(documents)),
+               ("right-padded", LazyMetadata.from_mask(right, query_length=row), 4, row),
+               ("left-padded", LazyMetadata.from_mask(right.flip(1), query_length=row), 4, row)]
+    lines, failures = [], 0
+    try:
+        for label, meta, bsz, length in layouts:
+            for tau in (-1.0, 0.5):
+                x = [torch.randn(bsz, h, length, 128, generator=gen).to(device, torch.bfloat16) for h in (8, 2, 2)]
+                bias = 0.3 * torch.randn(8, 256, generator=gen).to(device)
+                leaves = [t.requires_grad_() for t in (*x, torch.full((8,), tau, device=device), bias)]
+                ref_leaves = [t.detach().float().requires_grad_() for t in leaves]
+                out = lazy_triton.lazy_attention_triton(*leaves, meta, 128**-0.5)
+                ref, _ = lazy_attention_reference(*ref_leaves, meta, 128**-0.5)
+                grad = torch.randn(ref.shape, generator=gen).to(device)
+                out.backward(grad.to(out.dtype))
+                ref.backward(grad)
+                errors = [_relative(out.detach(), ref.detach())]
+                errors += [_relative(t.grad, r.grad) for t, r in zip(leaves, ref_leaves)]
+                ok = max(errors) < 4e-2 and ran[-1:] == [True]
+                failures += not ok
+                path = "per document" if ran[-1:] == [True] else "OTHER PATH"
+                lines.append(f"| {label} {bsz}x{length} | {tau} | " + " | ".join(f"{e:.1e}" for e in errors)
+                             + f" | {path} | {'ok' if ok else 'FAIL'} |")
+    finally:
+        ops._causal_forward = forward
+    print("\n| layout (GQA 8/2, D 128) | tau | out | dq | dk | dv | dtau | dbias | kernels | gate |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("\n".join(lines), flush=True)
+    if failures and not keep_going:
+        raise SystemExit(f"documents gate failed for {failures} configuration(s): no timings reported")
+
+
 # ---------------------------------------------------------------------------------------------------
 # 2. Prefill timings
 # ---------------------------------------------------------------------------------------------------
@@ -463,6 +509,11 @@ def model_check(device, compile_step=True) -> None:
     except Exception as error:  # noqa: BLE001 - reported, the timings go on
         print(f"| compiled bf16 training step | FAILED: {type(error).__name__}: {str(error).splitlines()[-1][:300]} |",
               flush=True)
+        cause = error
+        while cause.__cause__ is not None:  # the innermost error (Triton's compiler message) in full, on stderr
+            cause = cause.__cause__
+        print(f"compiled step, innermost error: {type(cause).__name__}: {str(cause)[-4000:]}", file=sys.stderr,
+              flush=True)
         return
     compile_s = time.perf_counter() - started
     grad_error = max(_relative(a, b) for a, b in zip(grads_compiled, grads_eager))
@@ -481,6 +532,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="L in {1k, 4k}, no FlexAttention")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes; runs on CPU under TRITON_INTERPRET=1")
     parser.add_argument("--keep-going", action="store_true", help="time even when the correctness gate fails")
+    parser.add_argument("--documents", action="store_true",
+                        help="only the gates, the documents gate, the model check and the workload table")
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type != "cuda" and not (args.smoke and os.environ.get("TRITON_INTERPRET") == "1"):
@@ -495,6 +548,7 @@ def main() -> None:
         global REPEATS, WARMUP
         REPEATS, WARMUP = 2, 1
         correctness_gate(device, [(1, 2, 1, 40, 40, 64, -1.0), (1, 2, 1, 1, 50, 64, 0.0)])
+        documents_gate(device, shrink=20)
         model_check(device, compile_step=False)
         workload_table(device, heads=2, dim=64, shrink=64)
         prefill_table(device, [64], [64], 64, with_flex=False, width=128)
@@ -506,6 +560,14 @@ def main() -> None:
     correctness_gate(device, [(2, 8, 2, 1000, 1000, 64, 0.0), (2, 8, 2, 1000, 1000, 64, -1.0),
                               (2, 6, 2, 777, 777, 128, -1.0), (2, 8, 2, 1, 3000, 128, -1.0),
                               (2, 8, 4, 100, 2100, 128, -0.5)], keep_going=args.keep_going)
+    print("\n### Documents: packed and padded layouts on the causal fast path per document\n")
+    documents_gate(device, keep_going=args.keep_going)
+    if args.documents:
+        print("\n## 2. The model on the GPU (Triton path, eager reference, torch.compile)")
+        model_check(device)
+        print("\n## 4. Workloads: packed documents, padding, left-padded decode (bf16, D 128)")
+        workload_table(device)
+        return
     print("\n## 2. The model on the GPU (Triton path, eager reference, torch.compile)")
     model_check(device)
     lengths = [1024, 4096] if args.quick else [1024, 2048, 4096, 8192, 16384]

@@ -596,7 +596,8 @@ def _causal_backward(grad_out, query, key, value, dq, dk, dv, tau, distance_bias
     make = torch.empty if documents is None else torch.zeros
     dk_out, dv_out = (dk, dv) if groups == 1 else (
         make(bsz, num_heads, k_len, dim, dtype=torch.float32, device=query.device) for _ in range(2))
-    launch(_lazy_causal_bwd_dkdv_kernel, "causal_dkdv", lambda block_m, block_n: block_n, DELTA=delta, DK=dk_out,
+    launch(_lazy_causal_bwd_dkdv_kernel, "causal_dkdv" if documents is None else "causal_dkdv_documents",
+           lambda block_m, block_n: block_n, DELTA=delta, DK=dk_out,
            DV=dv_out, **_strides("dk", dk_out), scaling=scaling)
     if groups > 1:
         dk.copy_(dk_out.view(bsz, kv_heads, groups, k_len, dim).sum(2))

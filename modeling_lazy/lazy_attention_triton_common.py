@@ -86,6 +86,8 @@ _CONFIGS = {
         ("causal_dq", 128): (128, 32, 8, 2),
         ("causal_dkdv", 64): (64, 64, 4, 2),
         ("causal_dkdv", 128): (32, 128, 8, 2),
+        ("causal_dkdv_documents", 64): (64, 64, 4, 2),
+        ("causal_dkdv_documents", 128): (32, 128, 8, 2),
     },
     "sm80": {
         ("fwd", 64): (64, 64, 8, 2),
@@ -112,6 +114,8 @@ _CONFIGS = {
         ("causal_dq", 128): (64, 32, 8, 2),
         ("causal_dkdv", 64): (64, 64, 8, 2),
         ("causal_dkdv", 128): (32, 64, 8, 2),
+        ("causal_dkdv_documents", 64): (32, 64, 8, 2),  # the document table's registers: 64 x 64 spills here
+        ("causal_dkdv_documents", 128): (32, 64, 8, 2),
     },
 }
 
@@ -140,7 +144,7 @@ def _launch_config(kind: str, block_d: int, device: torch.device) -> tuple[int, 
 # Element type of each pointer argument, per kernel: "input" is the query's dtype (float16, bfloat16, float32).
 _GENERAL = dict(Q="input", K="input", V="input", TAU="fp32", BIAS="fp32", QPOS="i32", KPOS="i32", QSEG="i32",
                 KSEG="i32")
-_CAUSAL = dict(Q="input", K="input", V="input", TAU="fp32", BAND="fp32", QPOS="i32")
+_CAUSAL = dict(Q="input", K="input", V="input", TAU="fp32", BAND="fp32", QPOS="i32", DOCS="i32", TILES="i32")
 AOT_KERNELS = {  # kernel -> (module that defines it, pointer element types)
     "_lazy_fwd_kernel": ("modeling_lazy.lazy_attention_triton_forward", dict(_GENERAL, OUT="input", LSE="fp32")),
     "_lazy_fwd_split_lse_kernel": ("modeling_lazy.lazy_attention_triton_forward",
@@ -150,8 +154,8 @@ AOT_KERNELS = {  # kernel -> (module that defines it, pointer element types)
     "_lazy_causal_fwd_kernel": ("modeling_lazy.lazy_attention_triton_forward",
                                 dict(_CAUSAL, OUT="input", LSE="fp32", U="fp32")),
     "_lazy_paged_fwd_kernel": ("lazy_llama_vllm.lazy_attention_paged_triton",
-                               dict(_CAUSAL, BLOCK_TABLE="i32", QUERY_START="i32", KLEN="i32", TILES="i32",
-                                    OUT="input")),
+                               dict(Q="input", K="input", V="input", TAU="fp32", BAND="fp32", BLOCK_TABLE="i32",
+                                    QUERY_START="i32", KLEN="i32", TILES="i32", OUT="input")),
     "_lazy_decode_lse_kernel": ("modeling_lazy.lazy_attention_triton_decode",
                                 dict(Q="input", K="input", BAND="fp32", KLEN="i32", BLOCK_TABLE="i32", SCORES="fp32",
                                      M_PART="fp32", L_PART="fp32")),
@@ -183,12 +187,15 @@ class AotBuild(NamedTuple):
     kind: str
     matmul: bool = True  # uses tl.dot (so sm_90 with 16-bit inputs must use wgmma)
     page_size: int = 0  # PAGE_SIZE (> 0: K/V through a block table of pages of that many keys)
+    documents: bool = False  # DOCUMENTS (the causal fast path per document: packed documents, padded rows)
 
 
 AOT_BUILDS = (
     AotBuild("_lazy_fwd_kernel", "fwd"),
     AotBuild("_lazy_causal_fwd_kernel", "causal_fwd"),
     AotBuild("_lazy_causal_fwd_kernel", "causal_fwd_u"),
+    AotBuild("_lazy_causal_fwd_kernel", "causal_fwd", documents=True),
+    AotBuild("_lazy_causal_fwd_kernel", "causal_fwd_u", documents=True),
     AotBuild("_lazy_paged_fwd_kernel", "paged_fwd", page_size=16),
     AotBuild("_lazy_fwd_kernel", "decode"),
     AotBuild("_lazy_fwd_split_lse_kernel", "decode"),
@@ -203,6 +210,8 @@ AOT_BUILDS = (
     AotBuild("_lazy_causal_bwd_delta_kernel", "causal_delta", matmul=False),
     AotBuild("_lazy_causal_bwd_dq_kernel", "causal_dq"),
     AotBuild("_lazy_causal_bwd_dkdv_kernel", "causal_dkdv"),
+    AotBuild("_lazy_causal_bwd_dq_kernel", "causal_dq", documents=True),
+    AotBuild("_lazy_causal_bwd_dkdv_kernel", "causal_dkdv_documents", documents=True),
 )
 
 

@@ -64,6 +64,10 @@ grad = torch.randn(B, L, H, D, dtype=torch.bfloat16)
 dq, dk, dv = (torch.empty_like(x) for x in (q, k, v))
 backward._causal_backward(grad, q, k, v, dq, dk, dv, tau, bias, q_pos, torch.zeros_like(q_pos), res.lse, scaling,
                           block_d, res.out, res.u)
+documents = torch.tensor([[0, 0, 100], [0, 100, 150]], dtype=torch.int32)  # packed: the causal path per document
+res = forward._causal_forward(q, k, v, tau, bias, q_pos, scaling, block_d, store_u=True, documents=documents)
+backward._causal_backward(grad, q, k, v, dq, dk, dv, tau, bias, q_pos, torch.zeros_like(q_pos), res.lse, scaling,
+                          block_d, res.out, res.u, documents)
 mask = torch.ones(B, L, dtype=torch.long)
 mask[0, :5] = 0
 meta = LazyMetadata.from_mask(mask, query_length=L)
@@ -81,9 +85,10 @@ paged._paged_prefill(torch.randn(40, H, D, dtype=torch.bfloat16), pages, pages, 
 seen = {}
 for kernel, kwargs in launches:
     accesses = identify_accessed_tensors(kernel, kwargs, {})
-    seen[kernel.fn.__name__] = sorted(dep.name for dep in accesses.read_writes.writes)
+    seen[kernel.fn.__name__ + (" documents" if kwargs.get("DOCUMENTS") else "")] = sorted(
+        dep.name for dep in accesses.read_writes.writes)
 for name, writes in sorted(seen.items()):
-    print(name, ",".join(writes))
+    print(f"{name}:", ",".join(writes))
 '''
 
 OUTPUTS = {  # kernel -> the buffers it really stores to
@@ -91,6 +96,9 @@ OUTPUTS = {  # kernel -> the buffers it really stores to
     "_lazy_causal_bwd_delta_kernel": "DELTA,DTAU_PART",
     "_lazy_causal_bwd_dq_kernel": "DBIAS_PART,DQ",
     "_lazy_causal_bwd_dkdv_kernel": "DK,DV",
+    "_lazy_causal_fwd_kernel documents": "LSE,OUT,U",
+    "_lazy_causal_bwd_dq_kernel documents": "DBIAS_PART,DQ",
+    "_lazy_causal_bwd_dkdv_kernel documents": "DK,DV",
     "_lazy_fwd_kernel": "LSE,OUT",
     "_lazy_fwd_split_lse_kernel": "L_PART,M_PART",
     "_lazy_fwd_split_out_kernel": "O_PART",
@@ -108,5 +116,6 @@ def test_compile_sees_only_the_buffers_each_kernel_writes():
     done = subprocess.run([sys.executable, "-c", CHILD], cwd=ROOT, capture_output=True, text=True, timeout=600,
                           env=env)
     assert done.returncode == 0, done.stderr[-3000:]
-    found = dict(line.split(" ", 1) if " " in line else (line, "") for line in done.stdout.split("\n") if line)
+    found = dict(line.split(": ", 1) if ": " in line else (line.rstrip(":"), "") for line in done.stdout.split("\n")
+                 if line)
     assert found == OUTPUTS, f"kernel writes as torch.compile sees them: {found}"

@@ -343,11 +343,11 @@ def documents_fast_path(kernels):
     distance 0 (its one-token rows have no normaliser: compared with the project's reference in float64, whose
     gradients, unlike the dense oracle's, are defined there), D 64 and 128, both block tables, float32 and
     bfloat16; padding gets exactly zero output and gradients."""
-    from modeling_lazy.lazy_attention_reference import lazy_attention_reference
     import modeling_lazy.lazy_attention_ops as ops
+    import modeling_lazy.lazy_attention_triton_backward as backward_kernels
     import modeling_lazy.lazy_attention_triton_common as common
     import modeling_lazy.lazy_attention_triton_forward as forward_kernels
-    import modeling_lazy.lazy_attention_triton_backward as backward_kernels
+    from modeling_lazy.lazy_attention_reference import lazy_attention_reference
 
     calls = []
     originals = (forward_kernels._forward, backward_kernels._backward, ops._forward, common._gpu_family)
@@ -381,7 +381,8 @@ def documents_fast_path(kernels):
             padding = (meta.q_seg < 0)
             assert torch.equal(out.detach()[padding], torch.zeros_like(out.detach()[padding])), name
             for leaf in leaves[:3]:
-                assert torch.equal(leaf.grad.transpose(1, 2)[padding], torch.zeros_like(leaf.grad.transpose(1, 2)[padding]))
+                tokens = leaf.grad.transpose(1, 2)[padding]
+                assert torch.equal(tokens, torch.zeros_like(tokens)), name
             errors[name] = {"out": relative_error(out.detach(), expected.detach())}
             for grad_name, leaf, ref in zip(("dq", "dk", "dv", "dtau", "dbias"), leaves, ref_leaves):
                 errors[name][grad_name] = relative_error(leaf.grad, ref.grad)
@@ -392,6 +393,60 @@ def documents_fast_path(kernels):
         ops._causal_forward = document_forward
     assert calls == [True] * len(DOCUMENT_CASES), calls
     return errors
+
+
+def model_workloads_take_the_document_path(kernels):
+    """Through the model (a tiny LazyLlama on the interpreted kernels, training forward + backward), the layouts
+    people train on reach the causal fast path per document and never the general kernels: `lazy-finetune`'s
+    collator (packed blocks, restarting `position_ids`), TRL's padding-free batches (`cu_seq_lens_q` with restarting
+    positions), a right-padded SFT batch; and a left-padded batched `generate()` prefills per document."""
+    import modeling_lazy.lazy_attention_ops as ops
+    import modeling_lazy.lazy_attention_triton_forward as forward_kernels
+    from lazy_llama_tools.finetune import PackedBlockCollator
+    from modeling_lazy import LazyLlamaConfig, LazyLlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LazyLlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                             num_attention_heads=2, num_key_value_heads=1, lazy_bias_window=8,
+                             max_position_embeddings=128)
+    model = LazyLlamaForCausalLM(config)
+    documents, general = [], []
+    originals = (ops._causal_forward, ops._forward, forward_kernels._forward)
+    ops._causal_forward = lambda *args: documents.append(args[-1] is not None) or originals[0](*args)
+    ops._forward = lambda *args, **kwargs: general.append(1) or originals[1](*args, **kwargs)
+    seen = {}
+    try:
+        positions = [list(range(7)) + list(range(13)) + list(range(4)), list(range(24))]
+        blocks = [{"input_ids": torch.randint(3, 97, (24,)).tolist(), "position_ids": pos} for pos in positions]
+        batch = PackedBlockCollator()(blocks)
+        padded = torch.ones(2, 24, dtype=torch.long)
+        padded[1, 15:] = 0
+        ids = torch.randint(3, 97, (1, 24))
+        cu = torch.tensor([0, 5, 17, 24], dtype=torch.int32)
+        trl = dict(input_ids=ids, labels=ids, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=12, max_length_k=12,
+                   position_ids=torch.cat([torch.arange(5), torch.arange(12), torch.arange(7)])[None])
+        workloads = {"lazy-finetune packed blocks": batch,
+                     "TRL padding-free (cu_seq_lens_q)": trl,
+                     "right-padded SFT batch": dict(input_ids=batch["input_ids"], attention_mask=padded,
+                                                    labels=batch["input_ids"].masked_fill(padded == 0, -100))}
+        for name, inputs in workloads.items():
+            documents.clear()
+            model.zero_grad()
+            model(**inputs).loss.backward()
+            seen[name] = list(documents)
+            assert documents == [True] * config.num_hidden_layers and not general, (name, documents, general)
+            assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None), name
+        documents.clear()
+        prompts = torch.randint(3, 97, (2, 20))
+        mask = torch.ones(2, 20, dtype=torch.long)
+        mask[1, :6] = 0
+        with torch.no_grad():
+            model.eval().generate(prompts, attention_mask=mask, max_new_tokens=2, do_sample=False, pad_token_id=0)
+        seen["left-padded generate, prefill"] = list(documents)
+        assert documents == [True] * config.num_hidden_layers, documents
+    finally:
+        ops._causal_forward, ops._forward, forward_kernels._forward = originals
+    return seen
 
 
 def causal_forward_stores_u(kernels):
@@ -753,6 +808,7 @@ CASES = {
     "causal-fast-path": causal_fast_path,
     "causal-forward-stores-u": causal_forward_stores_u,
     "documents-fast-path": documents_fast_path,
+    "model-workloads-take-the-document-path": model_workloads_take_the_document_path,
     "packed-decode-reference": packed_decode_matches_reference,
     "packed-decode-skips-dead-value-tiles": packed_decode_skips_dead_value_tiles,
     "packed-decode-dispatch": packed_decode_dispatch,
