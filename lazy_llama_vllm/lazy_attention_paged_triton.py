@@ -124,7 +124,7 @@ def lazy_attention_triton_paged_decode(query, kv_cache, block_table, seq_lens, t
     q_pos = (seq_lens - 1).unsqueeze(1).contiguous()
     out = _packed_decode(_last_dim_contiguous(query).unsqueeze(2), key, value, tau, distance_bias, q_pos, seq_lens,
                          float(scaling), block_table=block_table.to(torch.int32).contiguous(),
-                         key_capacity=max_seq_len).out
+                         key_capacity=max_seq_len, need_lse=False).out
     return out.select(1, 0)
 
 

@@ -33,7 +33,14 @@ import torch
 
 from .lazy_attention_cpu import decode_supported
 from .lazy_attention_reference import DECODE_MAX_ROWS, LazyMetadata, _is_causal_layout, environment_setting
-from .lazy_attention_torch import document_table, left_padding, softmax_only, torch_backward, torch_forward
+from .lazy_attention_torch import (
+    _parameter_fact,
+    document_table,
+    left_padding,
+    softmax_only,
+    torch_backward,
+    torch_forward,
+)
 
 try:
     from .lazy_attention_triton import _backward, _causal_forward, _check_inputs, _forward, _packed_decode
@@ -103,6 +110,7 @@ def choose_kernel(device: torch.device, dtype: torch.dtype, query_rows: int, bat
                                                                           for its backward; <= 16 rows: the packed
                                                                           decode forward, the general backward)
           causal, inference, Tq <= 16                     triton_decode  (the packed decode, split-K)
+          Tq = 1, left-padded, inference (eager)          triton_decode  (each row from its first real key)
           documents (packed, padded rows; eager)          triton_documents (the causal fast path per document:
                                                                           work lists of document tiles)
           otherwise (a static buffer, cached keys with    triton         (the general kernels)
@@ -121,6 +129,8 @@ def choose_kernel(device: torch.device, dtype: torch.dtype, query_rows: int, bat
             return "triton_causal"
         if documents and not causal and not static_buffer:
             return "triton_documents"
+        if left_padded and not needs_grad and query_rows == 1 and not static_buffer:
+            return "triton_decode"
         return "triton_decode" if causal else "triton"
     if needs_grad:
         return "torch_train"
@@ -268,10 +278,20 @@ def _triton_autograd(ctx, grad_out, _grad_lse, _grad_u):
 
 
 def _triton_decode(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, tau: torch.Tensor,
-                   distance_bias: torch.Tensor, q_pos: torch.Tensor, key_lengths: torch.Tensor, scaling: float
-                   ) -> torch.Tensor:
-    """`out [B, Tq, Hq, D]`: query row t of batch row b stands at key index `key_lengths[b] - Tq + t`."""
-    return _packed_decode(query, key, value, tau, distance_bias, q_pos, key_lengths, scaling).out
+                   distance_bias: torch.Tensor, q_pos: torch.Tensor, key_lengths: torch.Tensor, scaling: float,
+                   key_starts: torch.Tensor | None = None) -> torch.Tensor:
+    """`out [B, Tq, Hq, D]`: query row t of batch row b stands at key index `key_lengths[b] - Tq + t`; with
+    `key_starts`, batch row b's keys start at `key_starts[b]` (left padding)."""
+    return _packed_decode(query, key, value, tau, distance_bias, q_pos, key_lengths, scaling, key_starts=key_starts,
+                          need_lse=False).out
+
+
+def _key_lengths(metadata: LazyMetadata, batch: int, k_len: int, device: torch.device) -> torch.Tensor:
+    """`[B]` int32 filled with `k_len`, built once per forward (every layer's decode reads the same)."""
+    build = lambda: torch.full((batch,), k_len, dtype=torch.int32, device=device)  # noqa: E731
+    if _tracing(metadata.k_pos):
+        return build()
+    return _parameter_fact(metadata.k_pos, ("key_lengths", batch, k_len), build)
 
 
 def _triton_attention_fake(query, key, value, tau, distance_bias, q_pos, k_pos, q_seg, k_seg, causal, store_u,
@@ -289,7 +309,7 @@ def _triton_attention_backward_fake(grad_out, query, key, value, tau, distance_b
             torch.empty_like(distance_bias))
 
 
-def _triton_decode_fake(query, key, value, tau, distance_bias, q_pos, key_lengths, scaling):
+def _triton_decode_fake(query, key, value, tau, distance_bias, q_pos, key_lengths, scaling, key_starts=None):
     bsz, num_heads, q_len, dim = query.shape
     return query.new_empty(bsz, q_len, num_heads, dim)
 
@@ -346,11 +366,14 @@ def lazy_attention(query, key, value, tau, distance_bias, metadata: LazyMetadata
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value, tau, distance_bias))
     kernel = choose_kernel(query.device, query.dtype, query.shape[2], query.shape[0], metadata.causal,
                            metadata.static_buffer, needs_grad, backend=backend)
-    documents = None
-    if kernel == "triton" and not _tracing(query):  # a fact only real tensors give (a few host syncs per forward)
+    documents = key_starts = None
+    if kernel == "triton" and not _tracing(query):  # facts only real tensors give (a few host syncs per forward)
         documents = document_table(metadata)
+        if documents is None and query.shape[2] == 1 and not needs_grad:
+            key_starts = left_padding(metadata)
         kernel = choose_kernel(query.device, query.dtype, query.shape[2], query.shape[0], metadata.causal,
-                               metadata.static_buffer, needs_grad, backend=backend, documents=documents is not None)
+                               metadata.static_buffer, needs_grad, backend=backend, documents=documents is not None,
+                               left_padded=key_starts is not None)
     scaling = float(scaling)
     if kernel.startswith("torch"):
         key_offset = metadata.key_offset if metadata.static_buffer else None
@@ -365,8 +388,9 @@ def lazy_attention(query, key, value, tau, distance_bias, metadata: LazyMetadata
         key, value = key.narrow(2, 0, k_len), value.narrow(2, 0, k_len)
     q_pos, k_pos = metadata.q_pos32, metadata.k_pos32
     if kernel == "triton_decode":
-        key_lengths = torch.full((query.shape[0],), key.shape[2], dtype=torch.int32, device=query.device)
-        return torch.ops.lazy_llama.triton_decode(query, key, value, tau, distance_bias, q_pos, key_lengths, scaling)
+        return torch.ops.lazy_llama.triton_decode(query, key, value, tau, distance_bias, q_pos,
+                                                  _key_lengths(metadata, query.shape[0], key.shape[2], query.device),
+                                                  scaling, key_starts)
     return torch.ops.lazy_llama.triton_attention(query, key, value, tau, distance_bias, q_pos, k_pos, metadata.q_seg,
                                                  metadata.k_seg, kernel == "triton_causal", needs_grad, scaling,
                                                  documents)[0]

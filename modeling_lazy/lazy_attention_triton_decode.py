@@ -10,9 +10,9 @@ import torch
 from torch.library import wrap_triton  # a launch torch.compile / make_fx can trace (plain launch in eager)
 
 from .lazy_attention_triton_common import (
+    _DEAD_ROW_LSE,
     _DOT_PRECISION,
     _INTERPRET,
-    DEAD_ROW_LSE,
     LN2,
     LOG2E,
     ForwardResult,
@@ -29,6 +29,8 @@ from .lazy_attention_triton_common import (
     triton,
 )
 
+LN2_ = tl.constexpr(LN2)  # as the kernels see it
+
 # ---------------------------------------------------------------------------------------------------
 # Packed decode (plain layout, query length <= DECODE_MAX_ROWS; and vLLM's paged cache). The query heads of one
 # GQA group times the query rows are packed as the rows of one tile (`r = g * Tq + t`; rows past G * Tq repeat the
@@ -38,8 +40,9 @@ from .lazy_attention_triton_common import (
 # n = q_pos + 1. Scores are in log2 units (exp2), the distance bias from the causal fast path's band. Two passes:
 #     _lazy_decode_lse_kernel   scores of the slice, kept in a float32 scratch (4 bytes per real row and key, less
 #                               than re-reading K), and the slice's partial row max / sum of exp2
-#     (torch)                   combine the partials into each row's log-sum-exp
-#     _lazy_decode_out_kernel   reads the kept scores, not K: weights ReLU(p + tau/n), `a @ V`; a V tile whose
+#     _lazy_decode_out_kernel   combines the partials into each row's log-sum-exp (every program of the row, no
+#                               launch in between), then reads the kept scores, not K: weights ReLU(p + tau/n),
+#                               `a @ V`; a V tile whose
 #                               weights are all zero for every row of the group is not read (its load is masked off)
 # Pass 1 runs two loops: keys at distance >= W from every row (no bias, every key visible), then the keys from there
 # to the slice's end (band gather; the band's -inf past the causal limit). Pass 2 runs one loop with the causal
@@ -58,12 +61,13 @@ def _load_cache(ptr, offsets, offs_d, key_mask, D: tl.constexpr):
 
 
 @triton.jit
-def _decode_rows(k_len, stride_b, stride_h, Hkv, Tq, GROUPS, KEYS_PER_SPLIT, BLOCK_M: tl.constexpr,
-                 PAGE_SIZE: tl.constexpr):
-    """Prologue of both decode passes (`k_len`: the program's sequence's key count, loaded by the kernel: an index
-    helper takes no tensor, see `_query_tile_ids` in lazy_attention_triton_forward.py). Grid: (splits, B * Hkv,
-    cdiv(GROUPS * Tq, BM)). Returns the program's packed rows (query head `h`, query row `t`, flat `(b, h, t)` index
-    `row_id`), their key indices, its keys [lo, hi) and the cache offset of its KV head."""
+def _decode_rows(k_len, k_start, stride_b, stride_h, Hkv, Tq, GROUPS, KEYS_PER_SPLIT, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr):
+    """Prologue of both decode passes (`k_len`, `k_start`: the program's sequence's key count and first visible key,
+    loaded by the kernel: an index helper takes no tensor, see `_query_tile_ids` in lazy_attention_triton_forward.py).
+    Grid: (splits, B * Hkv, cdiv(GROUPS * Tq, BM)). Returns the program's packed rows (query head `h`, query row `t`,
+    flat `(b, h, t)` index `row_id`), their key indices, its keys [lo, hi) (lo from the key tile holding `k_start`)
+    and the cache offset of its KV head."""
     split = tl.program_id(0)
     pid_bkv = tl.program_id(1)
     b = pid_bkv // Hkv
@@ -75,6 +79,7 @@ def _decode_rows(k_len, stride_b, stride_h, Hkv, Tq, GROUPS, KEYS_PER_SPLIT, BLO
     t = rows % Tq
     lo = split * KEYS_PER_SPLIT
     hi = tl.minimum(lo + KEYS_PER_SPLIT, k_len)
+    lo = tl.maximum(lo, k_start // BLOCK_N * BLOCK_N)  # left padding: key tiles before the first real key are skipped
     if PAGE_SIZE > 0:
         kv_base = hk.to(tl.int64) * stride_h
     else:
@@ -84,10 +89,12 @@ def _decode_rows(k_len, stride_b, stride_h, Hkv, Tq, GROUPS, KEYS_PER_SPLIT, BLO
 
 
 @triton.jit
-def _decode_lse_tiles(q, m_i, l_i, K, BT, kv_base, scores, row_mask, band, diagonal, lo, hi, k_len, stride_kb,
-                      stride_kt, scale_log2, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, D: tl.constexpr,
-                      PAGE_SIZE: tl.constexpr, BIAS: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
-    """Decode pass 1 over key tiles [lo, hi): scores (log2 units) to `scores + key`, running row max / sum of exp2."""
+def _decode_lse_tiles(q, m_i, l_i, K, BT, kv_base, scores, row_mask, band, diagonal, lo, hi, k_len, k_start,
+                      stride_kb, stride_kt, scale_log2, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                      D: tl.constexpr, PAGE_SIZE: tl.constexpr, BIAS: tl.constexpr, KEY_START: tl.constexpr,
+                      UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    """Decode pass 1 over key tiles [lo, hi): scores (log2 units) to `scores + key`, running row max / sum of exp2;
+    `KEY_START`: keys before `k_start` (left padding) score -inf."""
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     for start_n in range(lo, hi, BLOCK_N):
@@ -95,6 +102,8 @@ def _decode_lse_tiles(q, m_i, l_i, K, BT, kv_base, scores, row_mask, band, diago
         k = _load_cache(K, _cache_rows(BT, keys, k_len, kv_base, stride_kb, stride_kt, PAGE_SIZE), offs_d,
                         keys < k_len, D)
         s = _causal_scores(q, k, band, start_n, diagonal, scale_log2, BIAS, True, UPCAST, PRECISION)  # [BM, BN]
+        if KEY_START:
+            s = tl.where((keys >= k_start)[None, :], s, float("-inf"))
         tl.store(scores + keys[None, :], s, mask=row_mask[:, None] & (keys < hi)[None, :])
         m_new = tl.maximum(m_i, tl.max(s, 1))
         l_i = l_i * tl.exp2(m_i - m_new) + tl.sum(tl.exp2(s - m_new[:, None]), 1)
@@ -103,16 +112,19 @@ def _decode_lse_tiles(q, m_i, l_i, K, BT, kv_base, scores, row_mask, band, diago
 
 
 @triton.jit
-def _lazy_decode_lse_kernel(Q, K, BAND, KLEN, BLOCK_TABLE, SCORES, M_PART, L_PART,
+def _lazy_decode_lse_kernel(Q, K, BAND, KLEN, KSTART, BLOCK_TABLE, SCORES, M_PART, L_PART,
                             stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt, stride_tb,
                             Hq, Hkv, Tq, W, GROUPS, KEYS_PER_SPLIT, KEY_CAPACITY, BAND_LEN, scale_log2,
                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, D: tl.constexpr,
-                            PAGE_SIZE: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+                            PAGE_SIZE: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+                            KEY_START: tl.constexpr = False):
     """Decode pass 1: scores -> SCORES [B, Hq, Tq, KEY_CAPACITY] (log2 units), partial row max / sum of exp2 ->
-    M_PART, L_PART [splits, B, Hq, Tq]. Grid: (splits, B * Hkv, cdiv(GROUPS * Tq, BM))."""
+    M_PART, L_PART [splits, B, Hq, Tq]. `KEY_START`: batch row b's keys start at KSTART[b] (left padding).
+    Grid: (splits, B * Hkv, cdiv(GROUPS * Tq, BM))."""
     k_len = tl.load(KLEN + tl.program_id(1) // Hkv)
+    k_start = tl.load(KSTART + tl.program_id(1) // Hkv) if KEY_START else 0
     split, b, h, t, row_id, row_mask, q_key_idx, lo, hi, kv_base = _decode_rows(
-        k_len, stride_kb, stride_kh, Hkv, Tq, GROUPS, KEYS_PER_SPLIT, BLOCK_M, PAGE_SIZE)
+        k_len, k_start, stride_kb, stride_kh, Hkv, Tq, GROUPS, KEYS_PER_SPLIT, BLOCK_M, BLOCK_N, PAGE_SIZE)
     BT = BLOCK_TABLE + b.to(tl.int64) * stride_tb
     offs_d = tl.arange(0, BLOCK_D)
     q = tl.load(Q + b.to(tl.int64) * stride_qb + h[:, None].to(tl.int64) * stride_qh + t[:, None] * stride_qt
@@ -124,30 +136,45 @@ def _lazy_decode_lse_kernel(Q, K, BAND, KLEN, BLOCK_TABLE, SCORES, M_PART, L_PAR
     m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)  # finite: a tile of -inf scores keeps exp2() at 0, never NaN
     l_i = tl.zeros([BLOCK_M], tl.float32)
     m_i, l_i = _decode_lse_tiles(q, m_i, l_i, K, BT, kv_base, scores, row_mask, band, diagonal, lo,
-                                 tl.minimum(hi, far), k_len, stride_kb, stride_kt, scale_log2, BLOCK_N, BLOCK_D, D,
-                                 PAGE_SIZE, False, UPCAST, PRECISION)
+                                 tl.minimum(hi, far), k_len, k_start, stride_kb, stride_kt, scale_log2, BLOCK_N,
+                                 BLOCK_D, D, PAGE_SIZE, False, KEY_START, UPCAST, PRECISION)
     m_i, l_i = _decode_lse_tiles(q, m_i, l_i, K, BT, kv_base, scores, row_mask, band + Hq * BAND_LEN, diagonal,
-                                 tl.maximum(lo, far), hi, k_len, stride_kb, stride_kt, scale_log2, BLOCK_N, BLOCK_D, D,
-                                 PAGE_SIZE, True, UPCAST, PRECISION)
+                                 tl.maximum(lo, far), hi, k_len, k_start, stride_kb, stride_kt, scale_log2, BLOCK_N,
+                                 BLOCK_D, D, PAGE_SIZE, True, KEY_START, UPCAST, PRECISION)
     part = (split * tl.num_programs(1) * GROUPS * Tq).to(tl.int64) + row_id  # [splits, B, Hq, Tq]
     tl.store(M_PART + part, m_i, mask=row_mask)
     tl.store(L_PART + part, l_i, mask=row_mask)
 
 
 @triton.jit
-def _lazy_decode_out_kernel(V, TAU, QPOS, KLEN, BLOCK_TABLE, SCORES, LSE2, O_PART,
+def _lazy_decode_out_kernel(V, TAU, QPOS, KLEN, KSTART, BLOCK_TABLE, SCORES, M_PART, L_PART, LSE, O_PART,
                             stride_vb, stride_vh, stride_vt, stride_tb,
-                            Hq, Hkv, Tq, GROUPS, KEYS_PER_SPLIT, KEY_CAPACITY,
+                            Hq, Hkv, Tq, GROUPS, KEYS_PER_SPLIT, KEY_CAPACITY, NUM_SPLITS,
                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, D: tl.constexpr,
-                            PAGE_SIZE: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
-    """Decode pass 2: partial float32 outputs of one key slice -> O_PART [splits, B, Tq, Hq, D] (summed after);
-    LSE2 [B, Hq, Tq]: row log-sum-exp in log2 units, DEAD_ROW_LSE for a row without a normaliser."""
+                            PAGE_SIZE: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+                            KEY_START: tl.constexpr = False, STORE_LSE: tl.constexpr = True):
+    """Decode pass 2: each row's log-sum-exp from pass 1's partials (log2 units; DEAD_ROW_LSE for a row without a
+    normaliser), then the outputs of one key slice -> O_PART [splits, B, Tq, Hq, D] (float32 partials summed after;
+    with one split the output itself, in its dtype). `STORE_LSE`: the first split also stores LSE [B, Hq, Tq] in
+    natural units (a backward's; inference skips it)."""
     k_len = tl.load(KLEN + tl.program_id(1) // Hkv)
+    k_start = tl.load(KSTART + tl.program_id(1) // Hkv) if KEY_START else 0
     split, b, h, t, row_id, row_mask, q_key_idx, lo, hi, kv_base = _decode_rows(
-        k_len, stride_vb, stride_vh, Hkv, Tq, GROUPS, KEYS_PER_SPLIT, BLOCK_M, PAGE_SIZE)
+        k_len, k_start, stride_vb, stride_vh, Hkv, Tq, GROUPS, KEYS_PER_SPLIT, BLOCK_M, BLOCK_N, PAGE_SIZE)
     BT = BLOCK_TABLE + b.to(tl.int64) * stride_tb
     scores = (SCORES + row_id * KEY_CAPACITY)[:, None]
-    lse2 = tl.load(LSE2 + row_id)
+    m_max = tl.full([BLOCK_M], -1.0e30, tl.float32)
+    l_sum = tl.zeros([BLOCK_M], tl.float32)
+    for part in range(0, NUM_SPLITS):  # the split-K combine of pass 1's partials, in every program of the row
+        index = part * tl.num_programs(1) * GROUPS * Tq + row_id
+        m_part = tl.load(M_PART + index)
+        m_new = tl.maximum(m_max, m_part)
+        l_sum = l_sum * tl.exp2(m_max - m_new) + tl.load(L_PART + index) * tl.exp2(m_part - m_new)
+        m_max = m_new
+    alive = l_sum > 0.0
+    lse2 = tl.where(alive, m_max + tl.log2(tl.where(alive, l_sum, 1.0)), _DEAD_ROW_LSE)
+    if STORE_LSE:  # by the first split
+        tl.store(LSE + row_id, tl.where(alive, lse2 * LN2_, _DEAD_ROW_LSE), mask=row_mask & (t * 0 + split == 0))
     threshold = _row_threshold(tl.load(TAU + h), tl.load(QPOS + b * Tq + t), lse2)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
@@ -159,10 +186,10 @@ def _lazy_decode_out_kernel(V, TAU, QPOS, KLEN, BLOCK_TABLE, SCORES, LSE2, O_PAR
         a = tl.where(keys[None, :] <= q_key_idx[:, None], a, 0.0)  # keys after the row (tau > 0 would give tau/n)
         live_len = tl.where(tl.max(a) > 0.0, k_len, 0)  # an all-zero tile reads no V
         v = _load_cache(V, _cache_rows(BT, keys, k_len, kv_base, stride_vb, stride_vt, PAGE_SIZE), offs_d,
-                        keys < live_len, D)
+                        (keys >= k_start) & (keys < live_len), D)  # left padding: never read (NaN * 0 is NaN)
         acc = _dot(a.to(v.dtype), v, UPCAST, PRECISION, acc)
     out = O_PART + (((split * (tl.num_programs(1) // Hkv) + b).to(tl.int64) * Tq + t[:, None]) * Hq + h[:, None]) * D
-    tl.store(out + offs_d[None, :], acc, mask=row_mask[:, None] & (offs_d[None, :] < D))
+    tl.store(out + offs_d[None, :], acc.to(O_PART.dtype.element_ty), mask=row_mask[:, None] & (offs_d[None, :] < D))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -171,14 +198,17 @@ def _lazy_decode_out_kernel(V, TAU, QPOS, KLEN, BLOCK_TABLE, SCORES, LSE2, O_PAR
 
 
 def _packed_decode(query, key, value, tau, distance_bias, q_pos, key_lengths, scaling, num_splits=None,
-                   block_table=None, key_capacity=None):
-    """Launch the packed decode: `ForwardResult(out [B, Tq, Hq, D], lse [B, Hq, Tq] float32, None)`.
+                   block_table=None, key_capacity=None, key_starts=None, need_lse=True):
+    """Launch the packed decode: `ForwardResult(out [B, Tq, Hq, D], lse [B, Hq, Tq] float32 or None, None)`.
 
     query `[B, Hq, Tq, D]`, Tq <= DECODE_MAX_ROWS; key, value `[B, Hkv, >= key length, D]`, or with
     `block_table [B, max blocks]` int32 the paged caches `[num_blocks, Hkv, page size, D]`; q_pos `[B, Tq]` int32
     (n = q_pos + 1); key_lengths `[B]` int32: query row t of batch row b stands at key index
-    `key_lengths[b] - Tq + t`. `key_capacity` bounds the key lengths (default: the key buffer's length, paged: max
-    blocks x page size); the float32 score scratch holds `B x Hq x Tq x key_capacity`. `num_splits`: None, automatic.
+    `key_lengths[b] - Tq + t`; key_starts `[B]` int32 or None: batch row b's first visible key (left padding; the
+    positions count from there). `key_capacity` bounds the key lengths (default: the key buffer's length, paged:
+    max blocks x page size); the float32 score scratch holds `B x Hq x Tq x key_capacity`. `num_splits`: None,
+    automatic. `need_lse=False` (inference) skips the log-sum-exp. Two launches, a third summing the split-K
+    partials when there are several; the band is built once per value of `distance_bias`.
     """
     block_d = _check_inputs(query, key)
     bsz, num_heads, q_len, dim = query.shape
@@ -194,13 +224,18 @@ def _packed_decode(query, key, value, tau, distance_bias, q_pos, key_lengths, sc
     keys_per_split = triton.cdiv(triton.cdiv(key_capacity, num_splits), block_n) * block_n
     num_splits = triton.cdiv(key_capacity, keys_per_split)
     grid = (num_splits, bsz * kv_heads, row_tiles)
-    band = _bias_band(distance_bias, scaling, block_m, block_n)
+    band = _decode_band(distance_bias, scaling, block_m, block_n)
     f32 = dict(dtype=torch.float32, device=query.device)
     scores = torch.empty(bsz, num_heads, q_len, key_capacity, **f32)
     m_part = torch.empty(num_splits, bsz, num_heads, q_len, **f32)
     l_part = torch.empty_like(m_part)
-    paging = dict(KLEN=key_lengths, BLOCK_TABLE=key_lengths if block_table is None else block_table,
-                  stride_tb=0 if block_table is None else block_table.stride(0), PAGE_SIZE=page_size)
+    lse = torch.empty(bsz, num_heads, q_len, **f32) if need_lse else None
+    out = torch.empty(bsz, q_len, num_heads, dim, dtype=query.dtype, device=query.device)
+    o_part = out[None] if num_splits == 1 else torch.empty(num_splits, bsz, q_len, num_heads, dim, **f32)
+    paging = dict(KLEN=key_lengths, KSTART=key_lengths if key_starts is None else key_starts,
+                  BLOCK_TABLE=key_lengths if block_table is None else block_table,
+                  stride_tb=0 if block_table is None else block_table.stride(0), PAGE_SIZE=page_size,
+                  KEY_START=key_starts is not None)
     sizes = dict(Hq=num_heads, Hkv=kv_heads, Tq=q_len, GROUPS=groups, KEYS_PER_SPLIT=keys_per_split,
                  KEY_CAPACITY=key_capacity)
     meta = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, D=dim, UPCAST=_INTERPRET,
@@ -208,13 +243,19 @@ def _packed_decode(query, key, value, tau, distance_bias, q_pos, key_lengths, sc
     wrap_triton(_lazy_decode_lse_kernel)[grid](
         Q=query, K=key, BAND=band, **paging, SCORES=scores, M_PART=m_part, L_PART=l_part, **_strides("q", query),
         **_strides("k", key), **sizes, W=window, BAND_LEN=band.shape[-1], scale_log2=scaling * LOG2E, **meta)
-    m_max = m_part.amax(0)
-    l_sum = (l_part * torch.exp2(m_part - m_max)).sum(0)
-    alive = l_sum > 0
-    lse2 = torch.where(alive, m_max + torch.log2(torch.where(alive, l_sum, 1.0)), DEAD_ROW_LSE)
-    o_part = torch.empty(num_splits, bsz, q_len, num_heads, dim, **f32)
     wrap_triton(_lazy_decode_out_kernel)[grid](
-        V=value, TAU=tau.detach().to(torch.float32).contiguous(), QPOS=q_pos, **paging, SCORES=scores, LSE2=lse2,
-        O_PART=o_part, **_strides("v", value), **sizes, **meta)
-    lse = torch.where(alive, lse2 * LN2, DEAD_ROW_LSE)
-    return ForwardResult(o_part.sum(0).to(query.dtype), lse)
+        V=value, TAU=tau.detach().to(torch.float32).contiguous(), QPOS=q_pos, **paging, SCORES=scores,
+        M_PART=m_part, L_PART=l_part, LSE=m_part if lse is None else lse, O_PART=o_part, **_strides("v", value),
+        **sizes, NUM_SPLITS=num_splits, STORE_LSE=need_lse, **meta)
+    if num_splits > 1:
+        torch.sum(o_part, 0, out=out) if out.dtype == torch.float32 else out.copy_(o_part.sum(0))
+    return ForwardResult(out, lse)
+
+
+def _decode_band(distance_bias, scaling, block_m, block_n):
+    """`_bias_band`, built once per value of `distance_bias` (a decode step's layers would rebuild it every call: a
+    few launches each, against two for the decode itself)."""
+    from .lazy_attention_torch import _parameter_fact  # the PyTorch path keeps the per-parameter facts
+
+    return _parameter_fact(distance_bias, ("decode_band", float(scaling), block_m, block_n),
+                           lambda: _bias_band(distance_bias, scaling, block_m, block_n))

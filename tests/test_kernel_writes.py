@@ -106,7 +106,7 @@ OUTPUTS = {  # kernel -> the buffers it really stores to
     "_lazy_bwd_dq_kernel": "DQ",
     "_lazy_bwd_dkdv_kernel": "DBIAS_PART,DK,DV",
     "_lazy_decode_lse_kernel": "L_PART,M_PART,SCORES",
-    "_lazy_decode_out_kernel": "O_PART",
+    "_lazy_decode_out_kernel": "LSE,O_PART",
     "_lazy_paged_fwd_kernel": "OUT",
 }
 

@@ -2,7 +2,8 @@
 
 No GPU is needed: the triton wheel ships ptxas and cuobjdump (BENCHMARKS.md). The default run compiles the
 bfloat16 builds (13 kernels, 15 block kinds, the packed decode and the paged prefill also paged, the causal fast path
-also per document (4 builds), x head dims 64/128 x 2 GPU families = 84 compiles, ~7 min on 2 cores).
+also per document (4 builds), the packed decode also from per-row key starts (2), x head dims 64/128 x 2 GPU
+families = 92 compiles, ~8 min on 2 cores).
 With LAZY_AOT_ALL_DTYPES=1 the float16 builds (same lowering, also spill-free) and the float32 builds
 (IEEE float32 dots: the exact path for checks, not tuned, so they spill: not checked for spills) run
 too (~7 min more). `python benchmarks/aot_compile_table.py` prints the same facts as a table; every test checks
@@ -52,6 +53,7 @@ def test_every_kernel_compiles_for_sm80_and_sm90_without_spills():
     rows = compile_all(shipped_builds((torch.bfloat16,)), workers=min(4, os.cpu_count() or 1))
     assert len({b.kernel for b, _, _ in rows}) == 13  # the forward kernel ships prefill and decode blocks
     assert len({(b.kernel, b.kind) for b, _, _ in rows if not b.documents}) == 15
+    assert len([b for b, _, _ in rows if b.key_start]) == 2 * 2 * 2  # the left-padded packed decode's two kernels
     assert len({(b.kernel, b.kind) for b, _, _ in rows if b.documents}) == 4  # forward (+ U), dq, dk/dv
     assert {b.arch for b, _, _ in rows} == set(ARCHS)
     assert {b.head_dim for b, _, _ in rows} == set(HEAD_DIMS)

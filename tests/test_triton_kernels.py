@@ -564,6 +564,56 @@ def packed_decode_matches_reference(kernels):
     return errors
 
 
+def packed_decode_left_padding(kernels):
+    """The packed decode with per-row key starts (a left-padded batch): rows of different padding, the padding keys
+    and values NaN (never read, never counted), positions counted from each row's first real key, GQA, tau of both
+    signs, one and three splits, a start inside a key tile and one past a whole tile; against the float64 oracle on
+    the rows' real keys alone. Through the op layer, a left-padded one-row call takes the packed decode with those
+    starts, in two kernel launches (one split: the band is cached, the split-K combine happens in the second
+    kernel, no log-sum-exp is kept)."""
+    import modeling_lazy.lazy_attention_ops as ops
+    import modeling_lazy.lazy_attention_triton_decode as decode_kernels
+    from modeling_lazy.lazy_attention_reference import LazyMetadata
+
+    seed = fresh_seed()
+    errors = {"seed": seed}
+    length, starts = 300, [0, 37, 150, 299]
+    for dtype, splits, tau in ((torch.float32, 1, [-1.0, 0.4, 0.0, -0.3]), (torch.bfloat16, 3, [0.5, -1.0, -0.2, 0.1])):
+        query, key, value, tau_t, bias, _ = make_inputs(4, 4, 2, 1, length, 64, 48, dtype, tau, seed=seed)
+        expected = torch.empty(4, 1, 4, 64, dtype=torch.float64)
+        for b, start in enumerate(starts):
+            real = length - start
+            expected[b] = decode_reference(query[b:b + 1], key[b:b + 1, :, start:], value[b:b + 1, :, start:], tau_t,
+                                           bias, [real], [0], 0.125)[0]
+            key[b, :, :start] = float("nan")
+            value[b, :, :start] = float("nan")
+        q_pos = (length - 1 - torch.tensor(starts, dtype=torch.int32))[:, None].contiguous()
+        out = kernels._packed_decode(query, key, value, tau_t, bias, q_pos, torch.full((4,), length, dtype=torch.int32),
+                                     0.125, num_splits=splits, key_starts=torch.tensor(starts, dtype=torch.int32),
+                                     need_lse=False).out
+        errors[f"{dtype}, {splits} splits"] = relative_error(out, expected)
+        assert errors[f"{dtype}, {splits} splits"] < TOLERANCE[dtype], errors
+    mask = (torch.arange(length)[None] >= torch.tensor(starts)[:, None]).long()
+    meta = LazyMetadata.from_mask(mask, query_length=1, past_length=length - 1)
+    seen, launches = [], []
+    original, wrap = ops._packed_decode, decode_kernels.wrap_triton
+    ops._packed_decode = lambda *args, **kw: seen.append(kw.get("key_starts")) or original(*args, **kw)
+    decode_kernels.wrap_triton = lambda kernel: launches.append(kernel.fn.__name__) or wrap(kernel)
+    try:
+        with torch.no_grad():
+            kernels.lazy_attention_triton(query, key, value, tau_t, bias, meta, 0.125)  # the step's facts, the band
+            seen.clear()
+            launches.clear()
+            via_op = kernels.lazy_attention_triton(query, key, value, tau_t, bias, meta, 0.125)
+    finally:
+        ops._packed_decode, decode_kernels.wrap_triton = original, wrap
+    assert len(seen) == 1 and seen[0].tolist() == starts, seen
+    assert launches == ["_lazy_decode_lse_kernel", "_lazy_decode_out_kernel"], launches
+    errors["through the op"] = relative_error(via_op, expected)
+    assert errors["through the op"] < TOLERANCE[torch.bfloat16], errors
+    return errors
+
+
 def packed_decode_skips_dead_value_tiles(kernels):
     """With a sharp local bias and tau = -1 every weight of the first key tiles is 0 for every row of the group:
     their V tiles (NaN here) are never read, and the output is the reference's (computed with those values 0)."""
@@ -758,9 +808,10 @@ def refuses_what_it_cannot_run(kernels):
 
 
 def model_greedy_generation_matches_eager(kernels):
-    """LazyLlama with "lazy" on the interpreted Triton kernels generates eager's greedy tokens (left padding)."""
+    """LazyLlama with "lazy" on the interpreted Triton kernels generates eager's greedy tokens (left padding): the
+    prefill runs the causal fast path per document, every decode step the packed decode from each row's first real
+    key (no general kernel)."""
     import modeling_lazy.lazy_attention_ops as ops
-    import modeling_lazy.modeling_lazy as modeling
     from modeling_lazy import LazyLlamaConfig, LazyLlamaForCausalLM
 
     torch.manual_seed(0)
@@ -776,25 +827,22 @@ def model_greedy_generation_matches_eager(kernels):
     attention_mask = torch.tensor([[1] * 11, [0] * 4 + [1] * 7])
     kwargs = dict(attention_mask=attention_mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
     assert ops.uses_triton(torch.device("cpu"))
-    calls = []  # the kernel the op layer's table picks for each call
-    original = modeling.lazy_attention
-
-    def counted(query, key, value, tau, bias, meta, scaling):
-        calls.append(ops.choose_kernel(query.device, query.dtype, query.shape[2], query.shape[0], meta.causal,
-                                       meta.static_buffer, False))
-        return original(query, key, value, tau, bias, meta, scaling)
-
-    modeling.lazy_attention = counted
+    calls = []  # the launcher each call reached
+    originals = (ops._causal_forward, ops._packed_decode, ops._forward)
+    ops._causal_forward = lambda *a: calls.append("per document" if a[-1] is not None else "causal") or originals[0](*a)
+    ops._packed_decode = lambda *a, **kw: calls.append(
+        "left-padded decode" if kw.get("key_starts") is not None else "decode") or originals[1](*a, **kw)
+    ops._forward = lambda *a, **kw: calls.append("general") or originals[2](*a, **kw)
     try:
         with torch.no_grad():
             lazy_tokens = model.generate(input_ids, **kwargs)
     finally:
-        modeling.lazy_attention = original
+        ops._causal_forward, ops._packed_decode, ops._forward = originals
     model.set_attn_implementation("eager")
     with torch.no_grad():
         eager_tokens = model.generate(input_ids, **kwargs)
-    # 2 layers x (prefill + 5 decode steps) all ran on the Triton kernels (the general one: the batch is padded)
-    assert calls == ["triton"] * (2 * 6), calls
+    # 2 layers: the padded prefill per document, then 5 decode steps from each row's first real key
+    assert calls == ["per document"] * 2 + ["left-padded decode"] * (2 * 5), calls
     assert torch.equal(lazy_tokens, eager_tokens), (lazy_tokens, eager_tokens)
     return {"tokens": lazy_tokens.tolist()}
 
@@ -812,6 +860,7 @@ CASES = {
     "packed-decode-reference": packed_decode_matches_reference,
     "packed-decode-skips-dead-value-tiles": packed_decode_skips_dead_value_tiles,
     "packed-decode-dispatch": packed_decode_dispatch,
+    "packed-decode-left-padding": packed_decode_left_padding,
     "paged-decode": paged_decode_matches_contiguous_and_reference,
     "paged-prefill-mixed-batch": paged_prefill_mixed_batch,
     "refuses-what-it-cannot-run": refuses_what_it_cannot_run,
