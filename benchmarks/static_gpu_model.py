@@ -32,7 +32,10 @@ wave quantisation, L2 bandwidth and atomic throughput (listed per loop), clock c
 
 The yardsticks are FlashAttention-2-style kernels written for this model (`benchmarks/fa2_reference_kernels.py`):
 a causal forward, a 5-matmul backward with float32 atomic dq, and a split-K decode with the GQA group packed
-as rows (what FlashAttention's decode does); they are compiled the same way.
+as rows (what FlashAttention's decode does); they are compiled the same way. Packed and padded training
+(`documents_problem`) charge the Lazy kernels' DOCUMENTS builds each document's causal work plus their work lists'
+spare programs, and the yardstick the same kernels' work per document on the useful tokens (a varlen FA2 runs
+the same loops per document; its work-list prologue is not charged).
 """
 
 import argparse
@@ -44,7 +47,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
 
@@ -327,13 +330,16 @@ def analyse(name: str, compiled, arch: int) -> KernelCode:
 
 @dataclass(frozen=True)
 class Problem:
-    """Causal self-attention (prefill / training) or one-token decode against a cache of `length` keys."""
+    """Causal self-attention (prefill / training) or one-token decode against a cache of `length` keys.
+    `documents`: the rows (`batch` x `length` tokens) hold these documents (packed, or one per padded row), each a
+    causal layout of its own; the rest is padding."""
     batch: int
     heads: int
     kv_heads: int
     length: int
     dim: int
     window: int = 1024
+    documents: tuple = ()
 
     @property
     def groups(self) -> int:
@@ -356,6 +362,7 @@ class KernelSpec:
     function: str
     kind: str  # block-table key
     work: object  # (problem, blocks, num_sms) -> Work
+    documents: bool = False  # the DOCUMENTS build (work lists of document tiles)
 
 
 def _cdiv(a, b):
@@ -563,6 +570,15 @@ LAZY_FAST = {
     "dkdv": KernelSpec("lazy bwd dk/dv (causal)", "lazy", "_lazy_causal_bwd_dkdv_kernel", "causal_dkdv",
                        _lazy_causal_dkdv_work),
 }
+LAZY_DOCUMENTS = {  # the causal fast path per document: its kernels' DOCUMENTS builds; Delta over every row
+    "fwd_u": KernelSpec("lazy fwd + U (per document)", "lazy", "_lazy_causal_fwd_kernel", "causal_fwd_u",
+                        partial(_lazy_causal_fwd_work, store_u=True), documents=True),
+    "delta": LAZY_FAST["delta"],
+    "dq": KernelSpec("lazy bwd dq (per document)", "lazy", "_lazy_causal_bwd_dq_kernel", "causal_dq",
+                     partial(_lazy_causal_bwd_query_work, writes_dq=True), documents=True),
+    "dkdv": KernelSpec("lazy bwd dk/dv (per document)", "lazy", "_lazy_causal_bwd_dkdv_kernel",
+                       "causal_dkdv_documents", _lazy_causal_dkdv_work, documents=True),
+}
 FA2 = {
     "fwd": KernelSpec("FA2-style fwd", "fa2", "_fa2_fwd_kernel", "fwd", _fa2_fwd_work),
     "preprocess": KernelSpec("FA2-style bwd Delta", "fa2", "_fa2_bwd_preprocess_kernel", "bwd", _fa2_preprocess_work),
@@ -574,9 +590,13 @@ SCENARIOS = {
     "lazy (general)": {"forward": ["fwd"], "training": ["fwd", "delta", "dq", "dkdv"], "decode": ["decode"]},
     "lazy (causal fast path)": {"forward": ["fwd"], "training": ["fwd_u", "delta", "dq", "dkdv"],
                                 "decode": ["decode_lse", "decode_out"]},
-    "FA2-style": {"forward": ["fwd"], "training": ["fwd", "preprocess", "bwd"], "decode": ["decode"]},
+    "lazy (per document)": {"packed training": ["fwd_u", "delta", "dq", "dkdv"],
+                            "padded training": ["fwd_u", "delta", "dq", "dkdv"]},
+    "FA2-style": {"forward": ["fwd"], "training": ["fwd", "preprocess", "bwd"], "decode": ["decode"],
+                  "packed training": ["fwd", "preprocess", "bwd"], "padded training": ["fwd", "preprocess", "bwd"]},
 }
-IMPLEMENTATIONS = {"lazy (general)": LAZY_GENERAL, "lazy (causal fast path)": LAZY_FAST, "FA2-style": FA2}
+IMPLEMENTATIONS = {"lazy (general)": LAZY_GENERAL, "lazy (causal fast path)": LAZY_FAST,
+                   "lazy (per document)": LAZY_DOCUMENTS, "FA2-style": FA2}
 
 
 def _fa2_module():
@@ -599,7 +619,8 @@ def compile_spec(spec: KernelSpec, arch: int, dim: int, groups: int = 4):
     if spec.source == "lazy":
         from benchmarks.aot_compile_table import Build, compile_build
 
-        return compile_build(load_kernels(), Build(spec.function, spec.kind, torch.bfloat16, dim, arch))
+        return compile_build(load_kernels(), Build(spec.function, spec.kind, torch.bfloat16, dim, arch,
+                                                   documents=spec.documents))
     fn = getattr(_fa2_module(), spec.function)
     pointers = {name: "bf16" for name in ("Q", "K", "V", "OUT", "DO", "DK", "DV")}
     pointers |= {name: "fp32" for name in ("DQ", "LSE", "DELTA", "O_PART", "M_PART", "L_PART")}
@@ -643,12 +664,30 @@ def kernel_time(code: KernelCode, work: Work, arch: int) -> dict:
             "bound": "dram" if dram_s > compute_s else "compute"}
 
 
+def problem_work(spec: KernelSpec, problem: Problem, blocks: tuple, sms: int) -> Work:
+    """`spec`'s work for `problem`. With documents: a DOCUMENTS build does each document's causal work, plus the
+    spare programs of its upper-bound work list (`_varlen_tiles`: prologue only); an FA2-style kernel does the same
+    per-document work (what a varlen FlashAttention-2 does: the yardstick on the useful tokens); any other Lazy
+    kernel (the Delta from U) runs over every row, padding included."""
+    if not problem.documents or (spec.source == "lazy" and not spec.documents):
+        return spec.work(problem, blocks, sms)
+    works = [spec.work(replace(problem, batch=1, length=n, documents=()), blocks, sms) for n in problem.documents]
+    programs = sum(w.programs for w in works)
+    if spec.documents:
+        rows = blocks[1] if spec.kind.startswith("causal_dkdv") else blocks[0]  # the work list's tile height
+        tiles = sum(_cdiv(n, rows) for n in problem.documents)
+        upper = (problem.batch * problem.length + len(problem.documents) * (rows - 1)) // rows
+        programs += problem.heads * (upper - tiles)
+    iterations = [sum(w.iterations[i] for w in works) for i in range(len(works[0].iterations))]
+    return Work(programs, iterations, sum(w.dram_bytes for w in works), works[0].tile)
+
+
 def scenario_time(impl: str, scenario: str, codes: dict, problem: Problem, arch: int) -> float:
     total = 0.0
     for key in SCENARIOS[impl][scenario]:
         spec = IMPLEMENTATIONS[impl][key]
         block_m, block_n, _, _ = blocks_of(spec, arch, problem.dim)
-        work = spec.work(problem, (block_m, block_n), MACHINES[arch].sms)
+        work = problem_work(spec, problem, (block_m, block_n), MACHINES[arch].sms)
         total += kernel_time(codes[(spec, arch, problem.dim)], work, arch)["seconds"]
     return total
 
@@ -672,6 +711,19 @@ def prefill_problem(length: int, dim: int) -> Problem:
     """H * D = 2048, B * L = 16k (the GPU benchmark's prefill shapes), MHA (the FA2-style kernels have no GQA)."""
     heads = 2048 // dim
     return Problem(max(1, 16384 // length), heads, heads, length, dim)
+
+
+PACKED_DOCUMENTS = (256, 4096, 512, 1024, 2048, 256, 3072, 1024, 512, 768, 2048, 768)  # 16k tokens in one row
+PADDED_ROWS = (4096, 3072, 2560, 2560)  # 4 rows of 4096: 25% padding
+
+
+def documents_problem(scenario: str, dim: int) -> Problem:
+    """H * D = 2048 (MHA, as `prefill_problem`): "packed training" is one row of the mixed documents of
+    `PACKED_DOCUMENTS` (the GPU benchmark's), "padded training" 4 rows of 4096 with `PADDED_ROWS` useful tokens."""
+    heads = 2048 // dim
+    if scenario == "packed training":
+        return Problem(1, heads, heads, sum(PACKED_DOCUMENTS), dim, documents=PACKED_DOCUMENTS)
+    return Problem(len(PADDED_ROWS), heads, heads, max(PADDED_ROWS), dim, documents=PADDED_ROWS)
 
 
 def decode_problem(length: int, dim: int) -> Problem:
@@ -712,10 +764,13 @@ def build_report(archs, dims, workers) -> dict:
             rows = [("forward", L, prefill_problem(L, dim)) for L in PREFILL_LENGTHS]
             rows += [("training", L, prefill_problem(L, dim)) for L in PREFILL_LENGTHS]
             rows += [("decode", L, decode_problem(L, dim)) for L in DECODE_LENGTHS]
+            rows += [(scenario, problem.batch * problem.length, problem)
+                     for scenario in ("packed training", "padded training")
+                     for problem in [documents_problem(scenario, dim)]]
             for scenario, length, problem in rows:
                 base = scenario_time("FA2-style", scenario, codes, problem, arch)
                 for impl in IMPLEMENTATIONS:
-                    if impl == "FA2-style":
+                    if impl == "FA2-style" or scenario not in SCENARIOS[impl]:
                         continue
                     t = scenario_time(impl, scenario, codes, problem, arch)
                     report["ratios"].append({"arch": arch, "dim": dim, "scenario": scenario, "length": length,
