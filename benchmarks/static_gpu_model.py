@@ -23,6 +23,7 @@ Model (per SM per clock, warp-instructions; H100/H200 for sm_90, A100 for sm_80)
     cycles per loop iteration  = tensor + max(issue, fma, alu, mufu, lsu)     ("serial": no overlap of the
                                  tensor cores with the CUDA cores; an upper bound of what warp scheduling hides)
     kernel time                = max(sum over programs and iterations / (SMs x clock), DRAM bytes / bandwidth)
+    scenario time              = its kernels' times + 2.5 us per launch (`launches`)
 
 DRAM bytes are counted per kernel from the tensors it reads and writes; a tensor is read once per kernel
 (programs running at the same time share it through L2) except where a later pass re-reads it after a
@@ -682,8 +683,24 @@ def problem_work(spec: KernelSpec, problem: Problem, blocks: tuple, sms: int) ->
     return Work(programs, iterations, sum(w.dram_bytes for w in works), works[0].tile)
 
 
+LAUNCH_S = 2.5e-6  # charged per kernel launch (and per device op a launcher adds), so that launch-bound decode shows
+
+
+def launches(impl: str, scenario: str, problem: Problem, arch: int) -> int:
+    """Launches of one scenario: its kernels, plus what their launchers add. The packed decode sums its split-K
+    partials into the output (one reduction) when it splits; the FA2-style decode is FlashDecoding's split kernel
+    plus its combine (1)."""
+    count = len(SCENARIOS[impl][scenario])
+    if scenario == "decode" and impl == "lazy (causal fast path)":
+        spec = IMPLEMENTATIONS[impl]["decode_lse"]
+        count += _packed_decode_plan(problem, blocks_of(spec, arch, problem.dim)[:2], MACHINES[arch].sms)[1] > 1
+    elif scenario == "decode" and impl == "FA2-style":
+        count += 1
+    return count
+
+
 def scenario_time(impl: str, scenario: str, codes: dict, problem: Problem, arch: int) -> float:
-    total = 0.0
+    total = LAUNCH_S * launches(impl, scenario, problem, arch)
     for key in SCENARIOS[impl][scenario]:
         spec = IMPLEMENTATIONS[impl][key]
         block_m, block_n, _, _ = blocks_of(spec, arch, problem.dim)

@@ -247,8 +247,8 @@ def _packed_decode(query, key, value, tau, distance_bias, q_pos, key_lengths, sc
         V=value, TAU=tau.detach().to(torch.float32).contiguous(), QPOS=q_pos, **paging, SCORES=scores,
         M_PART=m_part, L_PART=l_part, LSE=m_part if lse is None else lse, O_PART=o_part, **_strides("v", value),
         **sizes, NUM_SPLITS=num_splits, STORE_LSE=need_lse, **meta)
-    if num_splits > 1:
-        torch.sum(o_part, 0, out=out) if out.dtype == torch.float32 else out.copy_(o_part.sum(0))
+    if num_splits > 1:  # one reduction, float32 inside, converted as it stores
+        torch.sum(o_part, 0, out=out)
     return ForwardResult(out, lse)
 
 
