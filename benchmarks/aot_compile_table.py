@@ -90,18 +90,19 @@ class Build:
     page_size: int = 0  # PAGE_SIZE of the packed decode / paged prefill (> 0: K/V through a block table)
     documents: bool = False  # DOCUMENTS: the causal fast path per document
     key_start: bool = False  # KEY_START: the packed decode from per-row first keys
+    key_mask: bool = False  # KEY_MASK: the packed decode of any layout (segments and positions per key)
 
     @property
     def label(self) -> str:
         extra = (f", paged {self.page_size}" if self.page_size else "") + (", documents" if self.documents else "")
-        extra += ", key starts" if self.key_start else ""
+        extra += (", key starts" if self.key_start else "") + (", key mask" if self.key_mask else "")
         return f"{self.kernel} ({self.kind}{extra})"
 
 
 def shipped_builds(dtypes=(torch.bfloat16, torch.float16, torch.float32)) -> list[Build]:
     """`AOT_BUILDS` (the common module's build list) for every arch, dtype and head dim."""
     return [Build(build.kernel, build.kind, dtype, dim, arch, build.matmul, build.page_size, build.documents,
-                  build.key_start)
+                  build.key_start, build.key_mask)
             for arch in ARCHS for dtype in dtypes for dim in HEAD_DIMS for build in load_kernels().AOT_BUILDS]
 
 
@@ -114,7 +115,7 @@ def _constexprs(module, build: Build) -> dict:
     return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=max(16, build.head_dim), D=build.head_dim,
                 UPCAST=False, PRECISION=module._DOT_PRECISION[build.dtype],
                 PAGE_SIZE=build.page_size, STORE_U=build.kind == "causal_fwd_u", DOCUMENTS=build.documents,
-                KEY_START=build.key_start)
+                KEY_START=build.key_start, KEY_MASK=build.key_mask)
 
 
 def aot_compile(fn, pointer_types: dict, constexprs: dict, arch: int, num_warps: int, num_stages: int):

@@ -12,7 +12,9 @@ per call (no graph break) and run the project's kernels in the compiled program:
     lazy_llama::attention_backward         its recomputing backward
     lazy_llama::triton_attention           Triton forward: the general layout, or (`causal`) the causal fast path
     lazy_llama::triton_attention_backward  its backward
-    lazy_llama::triton_decode              Triton packed decode (causal layout, <= 16 query rows)
+    lazy_llama::triton_decode              Triton packed decode (inference, <= 16 query rows: the causal layout,
+                                           left padding from each row's first key, or any layout through the
+                                           metadata's segments and positions)
     lazy_llama::triton_paged               one vLLM step (prompts, chunks, decode tokens) against the paged cache,
                                            registered by the vLLM plugin (lazy_llama_vllm's paged module)
 
@@ -105,16 +107,20 @@ def choose_kernel(device: torch.device, dtype: torch.dtype, query_rows: int, bat
     (packed documents and/or padded rows, each document a causal layout of its own, no cache:
     `lazy_attention_torch.document_table`; asked in eager calls only).
 
-        Triton (uses_triton: LAZY_LLAMA_BACKEND, device, dtype); a static buffer only for one query row
+        Triton (uses_triton: LAZY_LLAMA_BACKEND, device, dtype); a static buffer: inference with Tq <= 16, or
+        training with one query row
           causal, training or Tq > 16                     triton_causal  (the causal fast path; training stores U
                                                                           for its backward; <= 16 rows: the packed
                                                                           decode forward, the general backward)
-          causal, inference, Tq <= 16                     triton_decode  (the packed decode, split-K)
-          Tq = 1, left-padded, inference (eager)          triton_decode  (each row from its first real key)
           documents (packed, padded rows; eager)          triton_documents (the causal fast path per document:
                                                                           work lists of document tiles)
-          otherwise (a static buffer, cached keys with    triton         (the general kernels)
-            padding, masks with holes, traced documents)
+          inference, Tq <= 16                             triton_decode  (the packed decode, split-K: causal; Tq = 1
+                                                                          left-padded (eager): each row from its
+                                                                          first real key; else any layout: a static
+                                                                          buffer, masks with holes, segments and
+                                                                          positions read per key)
+          otherwise (training with padding or a cache,    triton         (the general kernels)
+            Tq > 16 with holes, traced documents)
         PyTorch (lazy_llama::attention)
           training                                        torch_train    (chunked forward, recomputing backward)
           tau = 0 and zero bias, causal, float32/64       torch_sdpa     (scaled_dot_product_attention)
@@ -124,14 +130,13 @@ def choose_kernel(device: torch.device, dtype: torch.dtype, query_rows: int, bat
           Tq <= 16                                        torch_decode   (one pass, any layout)
           otherwise                                       torch_prefill  (chunked, inference)
     """
-    if uses_triton(device, dtype, backend) and not (static_buffer and query_rows > 1):
-        if causal and (needs_grad or query_rows > DECODE_MAX_ROWS):
+    few_rows = query_rows <= DECODE_MAX_ROWS
+    if uses_triton(device, dtype, backend) and not (static_buffer and query_rows > 1 and (needs_grad or not few_rows)):
+        if causal and (needs_grad or not few_rows):
             return "triton_causal"
         if documents and not causal and not static_buffer:
             return "triton_documents"
-        if left_padded and not needs_grad and query_rows == 1 and not static_buffer:
-            return "triton_decode"
-        return "triton_decode" if causal else "triton"
+        return "triton_decode" if few_rows and not needs_grad else "triton"
     if needs_grad:
         return "torch_train"
     plain_row = query_rows == 1 and causal and not static_buffer
@@ -279,15 +284,22 @@ def _triton_autograd(ctx, grad_out, _grad_lse, _grad_u):
 
 def _triton_decode(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, tau: torch.Tensor,
                    distance_bias: torch.Tensor, q_pos: torch.Tensor, key_lengths: torch.Tensor, scaling: float,
-                   key_starts: torch.Tensor | None = None) -> torch.Tensor:
+                   key_starts: torch.Tensor | None = None, q_seg: torch.Tensor | None = None,
+                   k_seg: torch.Tensor | None = None, k_pos: torch.Tensor | None = None) -> torch.Tensor:
     """`out [B, Tq, Hq, D]`: query row t of batch row b stands at key index `key_lengths[b] - Tq + t`; with
-    `key_starts`, batch row b's keys start at `key_starts[b]` (left padding)."""
+    `key_starts`, batch row b's keys start at `key_starts[b]` (left padding); with the metadata's `q_seg`, `k_seg`
+    and int32 `k_pos`, any layout (visibility by segment, distances by position)."""
+    key_mask = None if q_seg is None else (q_seg, k_seg, k_pos)
     return _packed_decode(query, key, value, tau, distance_bias, q_pos, key_lengths, scaling, key_starts=key_starts,
-                          need_lse=False).out
+                          need_lse=False, key_mask=key_mask).out
 
 
 def _key_lengths(metadata: LazyMetadata, batch: int, k_len: int, device: torch.device) -> torch.Tensor:
-    """`[B]` int32 filled with `k_len`, built once per forward (every layer's decode reads the same)."""
+    """`[B]` int32 filled with `k_len`, built once per forward (every layer's decode reads the same); for a static
+    cache's buffer, its written length `key_offset + Tq` (a tensor: no host sync)."""
+    if metadata.static_buffer:
+        written = metadata.key_offset + metadata.q_pos.shape[1]
+        return written.to(device=device, dtype=torch.int32).reshape(1).expand(batch).contiguous()
     build = lambda: torch.full((batch,), k_len, dtype=torch.int32, device=device)  # noqa: E731
     if _tracing(metadata.k_pos):
         return build()
@@ -309,7 +321,8 @@ def _triton_attention_backward_fake(grad_out, query, key, value, tau, distance_b
             torch.empty_like(distance_bias))
 
 
-def _triton_decode_fake(query, key, value, tau, distance_bias, q_pos, key_lengths, scaling, key_starts=None):
+def _triton_decode_fake(query, key, value, tau, distance_bias, q_pos, key_lengths, scaling, key_starts=None,
+                        q_seg=None, k_seg=None, k_pos=None):
     bsz, num_heads, q_len, dim = query.shape
     return query.new_empty(bsz, q_len, num_heads, dim)
 
@@ -367,8 +380,9 @@ def lazy_attention(query, key, value, tau, distance_bias, metadata: LazyMetadata
     kernel = choose_kernel(query.device, query.dtype, query.shape[2], query.shape[0], metadata.causal,
                            metadata.static_buffer, needs_grad, backend=backend)
     documents = key_starts = None
-    if kernel == "triton" and not _tracing(query):  # facts only real tensors give (a few host syncs per forward)
-        documents = document_table(metadata)
+    if (kernel in ("triton", "triton_decode") and not metadata.causal and not metadata.static_buffer
+            and not _tracing(query)):  # facts only real tensors give (a few host syncs per forward)
+        documents = document_table(metadata) if kernel == "triton" else None
         if documents is None and query.shape[2] == 1 and not needs_grad:
             key_starts = left_padding(metadata)
         kernel = choose_kernel(query.device, query.dtype, query.shape[2], query.shape[0], metadata.causal,
@@ -388,9 +402,13 @@ def lazy_attention(query, key, value, tau, distance_bias, metadata: LazyMetadata
         key, value = key.narrow(2, 0, k_len), value.narrow(2, 0, k_len)
     q_pos, k_pos = metadata.q_pos32, metadata.k_pos32
     if kernel == "triton_decode":
+        if metadata.causal or key_starts is not None:
+            return torch.ops.lazy_llama.triton_decode(
+                query, key, value, tau, distance_bias, q_pos,
+                _key_lengths(metadata, query.shape[0], key.shape[2], query.device), scaling, key_starts)
         return torch.ops.lazy_llama.triton_decode(query, key, value, tau, distance_bias, q_pos,
                                                   _key_lengths(metadata, query.shape[0], key.shape[2], query.device),
-                                                  scaling, key_starts)
+                                                  scaling, None, metadata.q_seg, metadata.k_seg, k_pos)
     return torch.ops.lazy_llama.triton_attention(query, key, value, tau, distance_bias, q_pos, k_pos, metadata.q_seg,
                                                  metadata.k_seg, kernel == "triton_causal", needs_grad, scaling,
                                                  documents)[0]

@@ -158,11 +158,13 @@ AOT_KERNELS = {  # kernel -> (module that defines it, pointer element types)
                                     QUERY_START="i32", KLEN="i32", TILES="i32", OUT="input")),
     "_lazy_decode_lse_kernel": ("modeling_lazy.lazy_attention_triton_decode",
                                 dict(Q="input", K="input", BAND="fp32", KLEN="i32", KSTART="i32", BLOCK_TABLE="i32",
-                                     SCORES="fp32", M_PART="fp32", L_PART="fp32")),
+                                     QPOS="i32", QSEG="i32", KSEG="i32", KPOS="i32", SCORES="fp32", M_PART="fp32",
+                                     L_PART="fp32")),
     # O_PART as the split-K partials (float32); with one split it is the output (the store converts to its dtype)
     "_lazy_decode_out_kernel": ("modeling_lazy.lazy_attention_triton_decode",
                                 dict(V="input", TAU="fp32", QPOS="i32", KLEN="i32", KSTART="i32", BLOCK_TABLE="i32",
-                                     SCORES="fp32", M_PART="fp32", L_PART="fp32", LSE="fp32", O_PART="fp32")),
+                                     QSEG="i32", KSEG="i32", SCORES="fp32", M_PART="fp32", L_PART="fp32",
+                                     LSE="fp32", O_PART="fp32")),
     "_lazy_bwd_delta_kernel": ("modeling_lazy.lazy_attention_triton_backward",
                                dict(_GENERAL, LSE="fp32", DO="input", DELTA="fp32", DTAU_PART="fp32")),
     "_lazy_bwd_dq_kernel": ("modeling_lazy.lazy_attention_triton_backward",
@@ -190,6 +192,7 @@ class AotBuild(NamedTuple):
     page_size: int = 0  # PAGE_SIZE (> 0: K/V through a block table of pages of that many keys)
     documents: bool = False  # DOCUMENTS (the causal fast path per document: packed documents, padded rows)
     key_start: bool = False  # KEY_START (the packed decode from per-row first keys: left-padded batches)
+    key_mask: bool = False  # KEY_MASK (the packed decode of any layout: masks with holes, a static cache's buffer)
 
 
 AOT_BUILDS = (
@@ -206,6 +209,8 @@ AOT_BUILDS = (
     AotBuild("_lazy_decode_out_kernel", "packed_decode"),
     AotBuild("_lazy_decode_lse_kernel", "packed_decode", key_start=True),
     AotBuild("_lazy_decode_out_kernel", "packed_decode", key_start=True),
+    AotBuild("_lazy_decode_lse_kernel", "packed_decode", key_mask=True),
+    AotBuild("_lazy_decode_out_kernel", "packed_decode", key_mask=True),
     AotBuild("_lazy_decode_lse_kernel", "packed_decode", page_size=16),
     AotBuild("_lazy_decode_out_kernel", "packed_decode", page_size=16),
     AotBuild("_lazy_bwd_delta_kernel", "delta"),

@@ -24,7 +24,9 @@ from .lazy_attention_triton_common import (
     _dot,
     _launch_config,
     _row_threshold,
+    _scores,
     _strides,
+    _visible,
     tl,
     triton,
 )
@@ -92,16 +94,23 @@ def _decode_rows(k_len, k_start, stride_b, stride_h, Hkv, Tq, GROUPS, KEYS_PER_S
 def _decode_lse_tiles(q, m_i, l_i, K, BT, kv_base, scores, row_mask, band, diagonal, lo, hi, k_len, k_start,
                       stride_kb, stride_kt, scale_log2, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                       D: tl.constexpr, PAGE_SIZE: tl.constexpr, BIAS: tl.constexpr, KEY_START: tl.constexpr,
-                      UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+                      UPCAST: tl.constexpr, PRECISION: tl.constexpr, KEY_MASK: tl.constexpr = False, q_seg=None,
+                      q_pos=None, q_key_idx=None, KSEG=None, KPOS=None, W=0):
     """Decode pass 1 over key tiles [lo, hi): scores (log2 units) to `scores + key`, running row max / sum of exp2;
-    `KEY_START`: keys before `k_start` (left padding) score -inf."""
+    `KEY_START`: keys before `k_start` (left padding) score -inf. `KEY_MASK`: any layout (the batch row's segments
+    `KSEG` and positions `KPOS`, the rows' `q_seg`, `q_pos`): invisible keys score -inf, the band (row 0, log2
+    units, `band` at distance 0) is gathered at each pair's position distance."""
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     for start_n in range(lo, hi, BLOCK_N):
         keys = start_n + offs_n
         k = _load_cache(K, _cache_rows(BT, keys, k_len, kv_base, stride_kb, stride_kt, PAGE_SIZE), offs_d,
                         keys < k_len, D)
-        s = _causal_scores(q, k, band, start_n, diagonal, scale_log2, BIAS, True, UPCAST, PRECISION)  # [BM, BN]
+        if KEY_MASK:
+            visible = _visible(q_seg, q_key_idx, KSEG, keys, k_len)
+            s = _scores(q, k, KPOS, band, q_pos, visible, keys, k_len, W, scale_log2, UPCAST, PRECISION)
+        else:
+            s = _causal_scores(q, k, band, start_n, diagonal, scale_log2, BIAS, True, UPCAST, PRECISION)  # [BM, BN]
         if KEY_START:
             s = tl.where((keys >= k_start)[None, :], s, float("-inf"))
         tl.store(scores + keys[None, :], s, mask=row_mask[:, None] & (keys < hi)[None, :])
@@ -112,14 +121,16 @@ def _decode_lse_tiles(q, m_i, l_i, K, BT, kv_base, scores, row_mask, band, diago
 
 
 @triton.jit
-def _lazy_decode_lse_kernel(Q, K, BAND, KLEN, KSTART, BLOCK_TABLE, SCORES, M_PART, L_PART,
-                            stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt, stride_tb,
+def _lazy_decode_lse_kernel(Q, K, BAND, KLEN, KSTART, BLOCK_TABLE, QPOS, QSEG, KSEG, KPOS, SCORES, M_PART, L_PART,
+                            stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt, stride_tb, stride_sb,
                             Hq, Hkv, Tq, W, GROUPS, KEYS_PER_SPLIT, KEY_CAPACITY, BAND_LEN, scale_log2,
                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, D: tl.constexpr,
                             PAGE_SIZE: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-                            KEY_START: tl.constexpr = False):
+                            KEY_START: tl.constexpr = False, KEY_MASK: tl.constexpr = False):
     """Decode pass 1: scores -> SCORES [B, Hq, Tq, KEY_CAPACITY] (log2 units), partial row max / sum of exp2 ->
     M_PART, L_PART [splits, B, Hq, Tq]. `KEY_START`: batch row b's keys start at KSTART[b] (left padding).
+    `KEY_MASK`: any layout: query row (b, t) sees key j when QSEG[b, t] == KSEG[b, j] and j is not after it, at
+    distance QPOS[b, t] - KPOS[b, j] (`stride_sb`: the batch stride of KSEG and KPOS; one loop, the band gathered).
     Grid: (splits, B * Hkv, cdiv(GROUPS * Tq, BM))."""
     k_len = tl.load(KLEN + tl.program_id(1) // Hkv)
     k_start = tl.load(KSTART + tl.program_id(1) // Hkv) if KEY_START else 0
@@ -135,28 +146,37 @@ def _lazy_decode_lse_kernel(Q, K, BAND, KLEN, KSTART, BLOCK_TABLE, SCORES, M_PAR
     scores = (SCORES + row_id * KEY_CAPACITY)[:, None]
     m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)  # finite: a tile of -inf scores keeps exp2() at 0, never NaN
     l_i = tl.zeros([BLOCK_M], tl.float32)
-    m_i, l_i = _decode_lse_tiles(q, m_i, l_i, K, BT, kv_base, scores, row_mask, band, diagonal, lo,
-                                 tl.minimum(hi, far), k_len, k_start, stride_kb, stride_kt, scale_log2, BLOCK_N,
-                                 BLOCK_D, D, PAGE_SIZE, False, KEY_START, UPCAST, PRECISION)
-    m_i, l_i = _decode_lse_tiles(q, m_i, l_i, K, BT, kv_base, scores, row_mask, band + Hq * BAND_LEN, diagonal,
-                                 tl.maximum(lo, far), hi, k_len, k_start, stride_kb, stride_kt, scale_log2, BLOCK_N,
-                                 BLOCK_D, D, PAGE_SIZE, True, KEY_START, UPCAST, PRECISION)
+    if KEY_MASK:  # positions, not key indices, give the distances: no far loop
+        meta = b.to(tl.int64) * stride_sb
+        m_i, l_i = _decode_lse_tiles(q, m_i, l_i, K, BT, kv_base, scores, row_mask, band, diagonal, lo, hi, k_len,
+                                     k_start, stride_kb, stride_kt, scale_log2, BLOCK_N, BLOCK_D, D, PAGE_SIZE, True,
+                                     False, UPCAST, PRECISION, True, tl.load(QSEG + b * Tq + t),
+                                     tl.load(QPOS + b * Tq + t), q_key_idx, KSEG + meta, KPOS + meta, W)
+    else:
+        m_i, l_i = _decode_lse_tiles(q, m_i, l_i, K, BT, kv_base, scores, row_mask, band, diagonal, lo,
+                                     tl.minimum(hi, far), k_len, k_start, stride_kb, stride_kt, scale_log2, BLOCK_N,
+                                     BLOCK_D, D, PAGE_SIZE, False, KEY_START, UPCAST, PRECISION)
+        m_i, l_i = _decode_lse_tiles(q, m_i, l_i, K, BT, kv_base, scores, row_mask, band + Hq * BAND_LEN, diagonal,
+                                     tl.maximum(lo, far), hi, k_len, k_start, stride_kb, stride_kt, scale_log2,
+                                     BLOCK_N, BLOCK_D, D, PAGE_SIZE, True, KEY_START, UPCAST, PRECISION)
     part = (split * tl.num_programs(1) * GROUPS * Tq).to(tl.int64) + row_id  # [splits, B, Hq, Tq]
     tl.store(M_PART + part, m_i, mask=row_mask)
     tl.store(L_PART + part, l_i, mask=row_mask)
 
 
 @triton.jit
-def _lazy_decode_out_kernel(V, TAU, QPOS, KLEN, KSTART, BLOCK_TABLE, SCORES, M_PART, L_PART, LSE, O_PART,
-                            stride_vb, stride_vh, stride_vt, stride_tb,
+def _lazy_decode_out_kernel(V, TAU, QPOS, KLEN, KSTART, BLOCK_TABLE, QSEG, KSEG, SCORES, M_PART, L_PART, LSE, O_PART,
+                            stride_vb, stride_vh, stride_vt, stride_tb, stride_sb,
                             Hq, Hkv, Tq, GROUPS, KEYS_PER_SPLIT, KEY_CAPACITY, NUM_SPLITS,
                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, D: tl.constexpr,
                             PAGE_SIZE: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-                            KEY_START: tl.constexpr = False, STORE_LSE: tl.constexpr = True):
+                            KEY_START: tl.constexpr = False, STORE_LSE: tl.constexpr = True,
+                            KEY_MASK: tl.constexpr = False):
     """Decode pass 2: each row's log-sum-exp from pass 1's partials (log2 units; DEAD_ROW_LSE for a row without a
     normaliser), then the outputs of one key slice -> O_PART [splits, B, Tq, Hq, D] (float32 partials summed after;
     with one split the output itself, in its dtype). `STORE_LSE`: the first split also stores LSE [B, Hq, Tq] in
-    natural units (a backward's; inference skips it)."""
+    natural units (a backward's; inference skips it). `KEY_MASK`: any layout, as in pass 1 (weights of keys a row
+    does not see are 0; a key no row of the tile sees is not read)."""
     k_len = tl.load(KLEN + tl.program_id(1) // Hkv)
     k_start = tl.load(KSTART + tl.program_id(1) // Hkv) if KEY_START else 0
     split, b, h, t, row_id, row_mask, q_key_idx, lo, hi, kv_base = _decode_rows(
@@ -176,6 +196,7 @@ def _lazy_decode_out_kernel(V, TAU, QPOS, KLEN, KSTART, BLOCK_TABLE, SCORES, M_P
     if STORE_LSE:  # by the first split
         tl.store(LSE + row_id, tl.where(alive, lse2 * LN2_, _DEAD_ROW_LSE), mask=row_mask & (t * 0 + split == 0))
     threshold = _row_threshold(tl.load(TAU + h), tl.load(QPOS + b * Tq + t), lse2)
+    q_seg = tl.load(QSEG + b * Tq + t) if KEY_MASK else 0
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -183,10 +204,16 @@ def _lazy_decode_out_kernel(V, TAU, QPOS, KLEN, KSTART, BLOCK_TABLE, SCORES, M_P
         keys = start_n + offs_n
         s = tl.load(scores + keys[None, :], mask=(keys < hi)[None, :], other=float("-inf"))
         a = tl.maximum(tl.exp2(s - lse2[:, None]) + threshold[:, None], 0.0)  # float32 threshold test
-        a = tl.where(keys[None, :] <= q_key_idx[:, None], a, 0.0)  # keys after the row (tau > 0 would give tau/n)
+        if KEY_MASK:  # invisible keys (tau > 0 would give them tau/n); a key no row sees is not read
+            visible = _visible(q_seg, q_key_idx, KSEG + b.to(tl.int64) * stride_sb, keys, k_len)
+            a = tl.where(visible, a, 0.0)
+            seen = tl.max(visible.to(tl.int32), 0) > 0
+        else:
+            a = tl.where(keys[None, :] <= q_key_idx[:, None], a, 0.0)  # keys after the row (tau > 0: tau/n)
+            seen = keys >= k_start  # left padding: never read (NaN * 0 is NaN)
         live_len = tl.where(tl.max(a) > 0.0, k_len, 0)  # an all-zero tile reads no V
         v = _load_cache(V, _cache_rows(BT, keys, k_len, kv_base, stride_vb, stride_vt, PAGE_SIZE), offs_d,
-                        (keys >= k_start) & (keys < live_len), D)  # left padding: never read (NaN * 0 is NaN)
+                        seen & (keys < live_len), D)
         acc = _dot(a.to(v.dtype), v, UPCAST, PRECISION, acc)
     out = O_PART + (((split * (tl.num_programs(1) // Hkv) + b).to(tl.int64) * Tq + t[:, None]) * Hq + h[:, None]) * D
     tl.store(out + offs_d[None, :], acc.to(O_PART.dtype.element_ty), mask=row_mask[:, None] & (offs_d[None, :] < D))
@@ -198,7 +225,7 @@ def _lazy_decode_out_kernel(V, TAU, QPOS, KLEN, KSTART, BLOCK_TABLE, SCORES, M_P
 
 
 def _packed_decode(query, key, value, tau, distance_bias, q_pos, key_lengths, scaling, num_splits=None,
-                   block_table=None, key_capacity=None, key_starts=None, need_lse=True):
+                   block_table=None, key_capacity=None, key_starts=None, need_lse=True, key_mask=None):
     """Launch the packed decode: `ForwardResult(out [B, Tq, Hq, D], lse [B, Hq, Tq] float32 or None, None)`.
 
     query `[B, Hq, Tq, D]`, Tq <= DECODE_MAX_ROWS; key, value `[B, Hkv, >= key length, D]`, or with
@@ -207,8 +234,12 @@ def _packed_decode(query, key, value, tau, distance_bias, q_pos, key_lengths, sc
     `key_lengths[b] - Tq + t`; key_starts `[B]` int32 or None: batch row b's first visible key (left padding; the
     positions count from there). `key_capacity` bounds the key lengths (default: the key buffer's length, paged:
     max blocks x page size); the float32 score scratch holds `B x Hq x Tq x key_capacity`. `num_splits`: None,
-    automatic. `need_lse=False` (inference) skips the log-sum-exp. Two launches, a third summing the split-K
-    partials when there are several; the band is built once per value of `distance_bias`.
+    automatic. `need_lse=False` (inference) skips the log-sum-exp. `key_mask`: None, or `(q_seg [B, Tq], k_seg
+    [B, >= key length], k_pos [B, >= key length])` int32 of a `LazyMetadata` (contiguous rows): any layout, query row
+    t of batch row b seeing key j when their segments match and j is not after it, at the distance of their
+    positions (padding anywhere, a static cache's unwritten slots; not with `key_starts` or a block table). Two
+    launches, a third summing the split-K partials when there are several; the band is built once per value of
+    `distance_bias`.
     """
     block_d = _check_inputs(query, key)
     bsz, num_heads, q_len, dim = query.shape
@@ -235,16 +266,20 @@ def _packed_decode(query, key, value, tau, distance_bias, q_pos, key_lengths, sc
     paging = dict(KLEN=key_lengths, KSTART=key_lengths if key_starts is None else key_starts,
                   BLOCK_TABLE=key_lengths if block_table is None else block_table,
                   stride_tb=0 if block_table is None else block_table.stride(0), PAGE_SIZE=page_size,
-                  KEY_START=key_starts is not None)
+                  KEY_START=key_starts is not None, KEY_MASK=key_mask is not None)
+    q_seg, k_seg, k_pos = (q_pos, key_lengths, key_lengths) if key_mask is None else (
+        t.to(torch.int32).contiguous() for t in key_mask)
+    layout = dict(QSEG=q_seg, KSEG=k_seg, stride_sb=k_seg.stride(0) if key_mask is not None else 0)
     sizes = dict(Hq=num_heads, Hkv=kv_heads, Tq=q_len, GROUPS=groups, KEYS_PER_SPLIT=keys_per_split,
                  KEY_CAPACITY=key_capacity)
     meta = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, D=dim, UPCAST=_INTERPRET,
                 PRECISION=_DOT_PRECISION[query.dtype], num_warps=num_warps, num_stages=num_stages)
     wrap_triton(_lazy_decode_lse_kernel)[grid](
-        Q=query, K=key, BAND=band, **paging, SCORES=scores, M_PART=m_part, L_PART=l_part, **_strides("q", query),
+        Q=query, K=key, BAND=band, **paging, QPOS=q_pos, **layout, KPOS=k_pos, SCORES=scores, M_PART=m_part,
+        L_PART=l_part, **_strides("q", query),
         **_strides("k", key), **sizes, W=window, BAND_LEN=band.shape[-1], scale_log2=scaling * LOG2E, **meta)
     wrap_triton(_lazy_decode_out_kernel)[grid](
-        V=value, TAU=tau.detach().to(torch.float32).contiguous(), QPOS=q_pos, **paging, SCORES=scores,
+        V=value, TAU=tau.detach().to(torch.float32).contiguous(), QPOS=q_pos, **paging, **layout, SCORES=scores,
         M_PART=m_part, L_PART=l_part, LSE=m_part if lse is None else lse, O_PART=o_part, **_strides("v", value),
         **sizes, NUM_SPLITS=num_splits, STORE_LSE=need_lse, **meta)
     if num_splits > 1:  # one reduction, float32 inside, converted as it stores

@@ -77,6 +77,8 @@ forward._forward(q[:, :, -1:], k, v, tau, bias, meta.q_pos32[:, -1:], meta.k_pos
                  scaling, num_splits=3)
 backward._backward(grad, q, k, v, tau, bias, *positions, torch.zeros(B, H, L), scaling)
 decode._packed_decode(q[:, :, -1:], k, v, tau, bias, q_pos[:, -1:], torch.full((B,), L, dtype=torch.int32), scaling)
+decode._packed_decode(q[:, :, -1:], k, v, tau, bias, meta.q_pos32[:, -1:], torch.full((B,), L, dtype=torch.int32),
+                      scaling, need_lse=False, key_mask=(meta.q_seg[:, -1:], meta.k_seg, meta.k_pos32))
 pages = torch.randn(8, HKV, 16, D, dtype=torch.bfloat16)
 table = torch.arange(8, dtype=torch.int32).view(2, 4)
 paged._paged_prefill(torch.randn(40, H, D, dtype=torch.bfloat16), pages, pages, table,
@@ -85,7 +87,8 @@ paged._paged_prefill(torch.randn(40, H, D, dtype=torch.bfloat16), pages, pages, 
 seen = {}
 for kernel, kwargs in launches:
     accesses = identify_accessed_tensors(kernel, kwargs, {})
-    seen[kernel.fn.__name__ + (" documents" if kwargs.get("DOCUMENTS") else "")] = sorted(
+    label = kernel.fn.__name__ + (" documents" if kwargs.get("DOCUMENTS") else "")
+    seen[label + (" key mask" if kwargs.get("KEY_MASK") else "")] = sorted(
         dep.name for dep in accesses.read_writes.writes)
 for name, writes in sorted(seen.items()):
     print(f"{name}:", ",".join(writes))
@@ -107,6 +110,8 @@ OUTPUTS = {  # kernel -> the buffers it really stores to
     "_lazy_bwd_dkdv_kernel": "DBIAS_PART,DK,DV",
     "_lazy_decode_lse_kernel": "L_PART,M_PART,SCORES",
     "_lazy_decode_out_kernel": "LSE,O_PART",
+    "_lazy_decode_lse_kernel key mask": "L_PART,M_PART,SCORES",
+    "_lazy_decode_out_kernel key mask": "O_PART",  # inference: no log-sum-exp stored
     "_lazy_paged_fwd_kernel": "OUT",
 }
 

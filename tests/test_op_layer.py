@@ -55,9 +55,16 @@ def test_table_sends_cuda_calls_to_the_triton_operators(monkeypatch):
     assert table(CUDA, rows=4, grad=True) == "triton_causal"  # <= 16 rows: its packed-decode forward
     assert table(CUDA, rows=300) == "triton_causal"  # prefill
     assert table(CUDA, rows=1) == table(CUDA, rows=16) == "triton_decode"  # decode
-    assert table(CUDA, rows=300, causal=False, grad=True) == table(CUDA, rows=1, causal=False) == "triton"
-    assert table(CUDA, rows=1, causal=False, static=True) == "triton"  # compiled static cache: one row
-    assert table(CUDA, rows=5, causal=False, static=True) == "torch_decode"  # the general kernel needs Tk - Tq
+    assert table(CUDA, rows=300, causal=False, grad=True) == table(CUDA, rows=1, causal=False, grad=True) == "triton"
+    assert table(CUDA, rows=300, causal=False) == "triton"  # facts unknown (traced): the general kernels
+    # inference with <= 16 rows, any layout (padding, holes, a compiled static cache's buffer): the packed decode
+    assert table(CUDA, rows=1, causal=False) == table(CUDA, rows=16, causal=False) == "triton_decode"
+    assert table(CUDA, rows=1, causal=False, static=True) == table(CUDA, rows=5, causal=False, static=True) == (
+        "triton_decode")
+    assert table(CUDA, rows=1, causal=False, grad=True, static=True) == "triton"  # one row: Tk - Tq holds
+    assert table(CUDA, rows=5, causal=False, grad=True, static=True) == "torch_train"  # general kernel: Tk - Tq
+    assert table(CUDA, rows=17, causal=False, static=True) == "torch_prefill"
+    assert table(CUDA, rows=300, causal=False, documents=True) == "triton_documents"
     assert table(CUDA, rows=1, dtype=torch.float64) == "torch_decode"
     assert table(CUDA, rows=300, dtype=torch.float64) == "torch_prefill"  # auto: float64 is not a Triton dtype
     monkeypatch.setenv(ops.BACKEND_ENV, "torch")
@@ -276,6 +283,7 @@ found = {
     "forward and backward (padded)": attention(40, 40, padded),
     "decode": attention(1, 40),
     "decode (static cache, compiled)": attention(1, 40, static=True),
+    "decode (padded, compiled)": attention(1, 40, padded),
 }
 
 
@@ -297,7 +305,10 @@ positions = (meta.q_pos32, meta.k_pos32, meta.q_seg, meta.k_seg)
 checks = {"triton_attention": [(q, k, v, torch.randn(H), torch.randn(H, W), *positions, causal, store, 0.25)
                                for causal, store in ((True, True), (True, False), (False, False))],
           "triton_decode": [(q[:, :, -2:], k, v, torch.randn(H), torch.randn(H, W), meta.q_pos32[:, -2:],
-                             torch.full((1,), 20, dtype=torch.int32), 0.25)]}
+                             torch.full((1,), 20, dtype=torch.int32), 0.25),
+                            (q[:, :, -2:], k, v, torch.randn(H), torch.randn(H, W), meta.q_pos32[:, -2:],
+                             torch.full((1,), 20, dtype=torch.int32), 0.25, None, meta.q_seg[:, -2:].contiguous(),
+                             meta.k_seg, meta.k_pos32)]}
 for name, calls in checks.items():
     for args in calls:
         torch.library.opcheck(getattr(torch.ops.lazy_llama, name).default, args,
@@ -322,7 +333,8 @@ def test_triton_operators_appear_in_traced_graphs(tmp_path):
         "forward and backward (causal)": "triton_attention,triton_attention_backward",
         "forward and backward (padded)": "triton_attention,triton_attention_backward",
         "decode": "triton_decode",
-        "decode (static cache, compiled)": "triton_attention",
+        "decode (static cache, compiled)": "triton_decode",
+        "decode (padded, compiled)": "triton_decode",
         "paged step": "triton_paged",
         "opcheck": "ok",
     }, proc.stdout

@@ -54,6 +54,7 @@ def test_every_kernel_compiles_for_sm80_and_sm90_without_spills():
     assert len({b.kernel for b, _, _ in rows}) == 13  # the forward kernel ships prefill and decode blocks
     assert len({(b.kernel, b.kind) for b, _, _ in rows if not b.documents}) == 15
     assert len([b for b, _, _ in rows if b.key_start]) == 2 * 2 * 2  # the left-padded packed decode's two kernels
+    assert len([b for b, _, _ in rows if b.key_mask]) == 2 * 2 * 2  # the packed decode of any layout
     assert len({(b.kernel, b.kind) for b, _, _ in rows if b.documents}) == 4  # forward (+ U), dq, dk/dv
     assert {b.arch for b, _, _ in rows} == set(ARCHS)
     assert {b.head_dim for b, _, _ in rows} == set(HEAD_DIMS)

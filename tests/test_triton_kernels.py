@@ -614,6 +614,70 @@ def packed_decode_left_padding(kernels):
     return errors
 
 
+def packed_decode_any_layout(kernels):
+    """The packed decode of any layout (segments and positions read per key): a padding mask with holes, left
+    padding with a hole, a row with only three real keys (head 0's bias is -inf at distances < 4, so that row has no
+    normaliser there), an all-padding row (its queries see nothing), GQA, tau of both signs, one and three rows, one
+    and three splits, float32 and bfloat16; the keys and values nobody sees NaN. Eager calls (keys cut to the
+    written ones) and a static cache's whole buffer (`key_offset` a tensor, unwritten slots NaN) against the float64
+    oracle on a layout written here from the mask. Through the op layer both run the packed decode with the
+    metadata's segments and positions, in two launches, never the general kernels."""
+    import modeling_lazy.lazy_attention_ops as ops
+    import modeling_lazy.lazy_attention_triton_decode as decode_kernels
+    from modeling_lazy.lazy_attention_reference import LazyMetadata
+
+    seed = fresh_seed()
+    errors = {"seed": seed}
+    written, capacity = 230, 260
+    mask = torch.ones(5, written, dtype=torch.long)
+    mask[0, 40:90] = 0  # holes
+    mask[0, 150:151] = 0
+    mask[1, :37] = 0  # left padding and a hole
+    mask[1, 100:140] = 0
+    mask[2, :written - 3] = 0  # three real keys
+    mask[3, :] = 0  # all padding
+    for dtype, splits, q_len, tau in ((torch.float32, 1, 1, [-1.0, 0.4, 0.0, -0.3]),
+                                      (torch.bfloat16, 3, 3, [0.5, -1.0, -0.2, 0.1])):
+        query, key, value, tau_t, bias, _ = make_inputs(5, 4, 2, q_len, capacity, 64, 48, dtype, tau, seed=seed)
+        bias[0, :4] = float("-inf")
+        # one document per row (a hole is padding, not a document boundary), positions count the real keys
+        k_pos, k_seg = (mask.cumsum(1) - 1).clamp(min=0), torch.where(mask.bool(), 0, -1)
+        q_pos, q_seg = k_pos[:, -q_len:], k_seg[:, -q_len:].masked_fill(k_seg[:, -q_len:] < 0, -2)
+        expected = reference(query, key[:, :, :written], value[:, :, :written], tau_t, bias, q_pos, k_pos, q_seg,
+                             k_seg, 0.125)
+        assert torch.isfinite(expected).all() and (expected[3] == 0).all()
+        unseen = torch.cat([k_seg < 0, torch.ones(5, capacity - written, dtype=torch.bool)], 1)
+        key = key.masked_fill(unseen[:, None, :, None], float("nan"))
+        value = value.masked_fill(unseen[:, None, :, None], float("nan"))
+        eager = LazyMetadata.from_mask(mask, query_length=q_len, past_length=written - q_len)
+        padded_mask = torch.cat([mask, torch.zeros(5, capacity - written, dtype=torch.long)], 1)
+        static = LazyMetadata.from_mask(padded_mask, query_length=q_len, key_length=capacity,
+                                        past_length=torch.tensor(written - q_len))
+        assert static.static_buffer and not eager.causal
+        direct = kernels._packed_decode(query, key[:, :, :written], value[:, :, :written], tau_t, bias,
+                                        eager.q_pos32, torch.full((5,), written, dtype=torch.int32), 0.125,
+                                        num_splits=splits, need_lse=False,
+                                        key_mask=(eager.q_seg, eager.k_seg, eager.k_pos32)).out
+        errors[f"{dtype}, {q_len} rows, {splits} splits"] = relative_error(direct, expected)
+        for name, meta, keys, values in (("eager", eager, key[:, :, :written], value[:, :, :written]),
+                                         ("static buffer", static, key, value)):
+            seen, launches = [], []
+            original, wrap = ops._packed_decode, decode_kernels.wrap_triton
+            ops._packed_decode = lambda *args, **kw: seen.append(kw.get("key_mask") is not None) or original(*args,
+                                                                                                            **kw)
+            decode_kernels.wrap_triton = lambda kernel: launches.append(kernel.fn.__name__) or wrap(kernel)
+            try:
+                with torch.no_grad():
+                    out = kernels.lazy_attention_triton(query, keys, values, tau_t, bias, meta, 0.125)
+            finally:
+                ops._packed_decode, decode_kernels.wrap_triton = original, wrap
+            assert seen == [True] and launches[-2:] == ["_lazy_decode_lse_kernel", "_lazy_decode_out_kernel"], (
+                name, seen, launches)
+            errors[f"{dtype}, {q_len} rows, {name}"] = relative_error(out, expected)
+        assert max(v for k, v in errors.items() if k != "seed" and str(dtype) in k) < TOLERANCE[dtype], errors
+    return errors
+
+
 def packed_decode_skips_dead_value_tiles(kernels):
     """With a sharp local bias and tau = -1 every weight of the first key tiles is 0 for every row of the group:
     their V tiles (NaN here) are never read, and the output is the reference's (computed with those values 0)."""
@@ -808,9 +872,9 @@ def refuses_what_it_cannot_run(kernels):
 
 
 def model_greedy_generation_matches_eager(kernels):
-    """LazyLlama with "lazy" on the interpreted Triton kernels generates eager's greedy tokens (left padding): the
-    prefill runs the causal fast path per document, every decode step the packed decode from each row's first real
-    key (no general kernel)."""
+    """LazyLlama with "lazy" on the interpreted Triton kernels generates eager's greedy tokens (left padding), with a
+    dynamic and a static cache: the short padded prefill runs the packed decode of any layout, every decode step the
+    packed decode from each row's first real key (no general kernel)."""
     import modeling_lazy.lazy_attention_ops as ops
     from modeling_lazy import LazyLlamaConfig, LazyLlamaForCausalLM
 
@@ -831,19 +895,28 @@ def model_greedy_generation_matches_eager(kernels):
     originals = (ops._causal_forward, ops._packed_decode, ops._forward)
     ops._causal_forward = lambda *a: calls.append("per document" if a[-1] is not None else "causal") or originals[0](*a)
     ops._packed_decode = lambda *a, **kw: calls.append(
-        "left-padded decode" if kw.get("key_starts") is not None else "decode") or originals[1](*a, **kw)
+        "left-padded decode" if kw.get("key_starts") is not None else
+        "any-layout decode" if kw.get("key_mask") is not None else "decode") or originals[1](*a, **kw)
     ops._forward = lambda *a, **kw: calls.append("general") or originals[2](*a, **kw)
+    seen = {}
     try:
         with torch.no_grad():
             lazy_tokens = model.generate(input_ids, **kwargs)
+            seen["dynamic cache"] = list(calls)
+            calls.clear()
+            static_tokens = model.generate(input_ids, cache_implementation="static", **kwargs)
+            seen["static cache"] = list(calls)
     finally:
         ops._causal_forward, ops._packed_decode, ops._forward = originals
     model.set_attn_implementation("eager")
     with torch.no_grad():
         eager_tokens = model.generate(input_ids, **kwargs)
-    # 2 layers: the padded prefill per document, then 5 decode steps from each row's first real key
-    assert calls == ["per document"] * 2 + ["left-padded decode"] * (2 * 5), calls
+    # 2 layers: the padded prefill of 11 rows (<= 16: the packed decode of any layout), then 5 decode steps from each
+    # row's first real key; a static cache (eager: its buffer cut to the written keys) the same
+    for name, launched in seen.items():
+        assert launched == ["any-layout decode"] * 2 + ["left-padded decode"] * (2 * 5), (name, launched)
     assert torch.equal(lazy_tokens, eager_tokens), (lazy_tokens, eager_tokens)
+    assert torch.equal(static_tokens, eager_tokens), (static_tokens, eager_tokens)
     return {"tokens": lazy_tokens.tolist()}
 
 
@@ -861,6 +934,7 @@ CASES = {
     "packed-decode-skips-dead-value-tiles": packed_decode_skips_dead_value_tiles,
     "packed-decode-dispatch": packed_decode_dispatch,
     "packed-decode-left-padding": packed_decode_left_padding,
+    "packed-decode-any-layout": packed_decode_any_layout,
     "paged-decode": paged_decode_matches_contiguous_and_reference,
     "paged-prefill-mixed-batch": paged_prefill_mixed_batch,
     "refuses-what-it-cannot-run": refuses_what_it_cannot_run,
