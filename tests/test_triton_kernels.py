@@ -920,6 +920,56 @@ def model_greedy_generation_matches_eager(kernels):
     return {"tokens": lazy_tokens.tolist()}
 
 
+def compiled_static_cache_generation(kernels):
+    """`generate(cache_implementation="static")` compiled (fullgraph; Dynamo's graph run as captured: the
+    interpreter launches at once, so AOT autograd, which traces a Triton op's body, cannot run here) on the
+    interpreted kernels: every layer of the decode graph calls `lazy_llama::triton_decode` (the packed decode of any
+    layout over the static buffer, the written length a tensor), never the general kernels, and the tokens are eager
+    attention's, for a left-padded batch and a second batch of another length without recompiling."""
+    from transformers import CompileConfig
+
+    from modeling_lazy import LazyLlamaConfig, LazyLlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LazyLlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, lazy_bias_window=8,
+                             max_position_embeddings=128)
+    model = LazyLlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.tau.copy_(torch.tensor([-1.0, 0.5, -0.3, 0.2]))
+            layer.self_attn.distance_bias.normal_(0.0, 1.0)
+    graphs = []
+
+    def keep(graph, _, **_options):  # generate() passes its compile mode on
+        graphs.append(graph)
+        return graph.forward
+
+    compile_config = CompileConfig(fullgraph=True, dynamic=False, backend=keep)
+    compile_config._compile_all_devices = True  # compile on CPU too
+    kwargs = dict(max_new_tokens=4, do_sample=False, pad_token_id=0, eos_token_id=None)
+    gen = torch.Generator().manual_seed(fresh_seed())
+    torch.compiler.reset()
+    results = {}
+    for index, lengths in enumerate(([9, 5], [4, 7])):
+        ids = torch.randint(3, 97, (2, max(lengths)), generator=gen)
+        mask = torch.stack([torch.arange(max(lengths)) >= max(lengths) - n for n in lengths]).long()
+        ids = ids * mask
+        with torch.no_grad(), torch.compiler.set_stance("fail_on_recompile" if index else "default"):
+            got = model.generate(ids, attention_mask=mask, cache_implementation="static",
+                                 compile_config=compile_config, **kwargs)
+        model.set_attn_implementation("eager")
+        with torch.no_grad():
+            want = model.generate(ids, attention_mask=mask, **kwargs)
+        model.set_attn_implementation("lazy")
+        assert torch.equal(got, want), (lengths, got, want)
+        results[str(lengths)] = got.tolist()
+    called = [[str(n.target).split(".")[1] for n in graph.graph.nodes
+               if n.op == "call_function" and str(n.target).startswith("lazy_llama.")] for graph in graphs]
+    assert called == [["triton_decode"] * config.num_hidden_layers], called
+    return results
+
+
 CASES = {
     **{f"reference-{name}": reference_case(name) for name in REFERENCE_CASES},
     "sm80-block-table": ampere_blocks,
@@ -939,6 +989,7 @@ CASES = {
     "paged-prefill-mixed-batch": paged_prefill_mixed_batch,
     "refuses-what-it-cannot-run": refuses_what_it_cannot_run,
     "model-greedy-generation-triton-vs-eager": model_greedy_generation_matches_eager,
+    "compiled-static-cache-generation": compiled_static_cache_generation,
 }
 
 
