@@ -82,6 +82,9 @@ MACHINES = {
                 {"issue": 4, "fma": 2, "alu": 2, "mufu": 0.5, "lsu": 1}),
 }
 IMAD_COST = {90: 2, 80: 2}  # fma-pipe slots per IMAD (half rate)
+# Shared memory one block may use (opt-in maximum): 227 KiB on H100/H200, 163 KiB on A100. A build above it cannot
+# launch; the project's kernels and the yardstick's stay within it (tests/test_triton_aot.py, test_static_gpu_model.py).
+MAX_SHARED_BYTES = {90: 232_448, 80: 166_912}
 
 # ---------------------------------------------------------------------------------------------------
 # SASS: parse, basic blocks, loops, dense path

@@ -57,6 +57,21 @@ def test_parser_finds_the_loop_and_its_dense_path():
     assert cycles["tensor"] == 8 * 32768 / 4096 and cycles["serial"] == cycles["tensor"] + 20
 
 
+def test_every_yardstick_build_would_launch_without_spills():
+    """The FA2-style kernels at their configurations, both GPU families and head dims: no register spills, and
+    shared memory within what one block may use (a yardstick that could not launch would flatter nothing)."""
+    from benchmarks.aot_compile_table import resource_usage
+
+    problems = []
+    for spec in model.FA2.values():
+        for arch in (90, 80):
+            for dim in (64, 128):
+                usage = resource_usage(model.compile_spec(spec, arch, dim))
+                if usage["spill"] or usage["shared"] > model.MAX_SHARED_BYTES[arch]:
+                    problems.append((spec.label, arch, dim, usage))
+    assert not problems, problems
+
+
 def test_fa2_style_forward_counts_match_its_source():
     """The yardstick's sm_90 loop: QK^T and PV on wgmma, one exp2 per score, pipelined loads, no spills."""
     spec = model.FA2["fwd"]

@@ -1,9 +1,10 @@
-"""Every Triton kernel compiles ahead of time for sm_80 and sm_90 at its shipped blocks, without spills.
+"""Every Triton kernel compiles ahead of time for sm_80 and sm_90 at its shipped blocks, without spills, within
+the shared memory one block may use.
 
 No GPU is needed: the triton wheel ships ptxas and cuobjdump (BENCHMARKS.md). The default run compiles the
 bfloat16 builds (13 kernels, 15 block kinds, the packed decode and the paged prefill also paged, the causal fast path
-also per document (4 builds), the packed decode also from per-row key starts (2), x head dims 64/128 x 2 GPU
-families = 92 compiles, ~8 min on 2 cores).
+also per document (4 builds), the packed decode also from per-row key starts (2) and for any layout (2), x head dims
+64/128 x 2 GPU families = 100 compiles, ~8 min on 2 cores).
 With LAZY_AOT_ALL_DTYPES=1 the float16 builds (same lowering, also spill-free) and the float32 builds
 (IEEE float32 dots: the exact path for checks, not tuned, so they spill: not checked for spills) run
 too (~7 min more). `python benchmarks/aot_compile_table.py` prints the same facts as a table; every test checks
@@ -19,6 +20,7 @@ import torch
 pytest.importorskip("triton")
 
 from benchmarks.aot_compile_table import ARCHS, HEAD_DIMS, compile_all, markdown_table, shipped_builds  # noqa: E402
+from benchmarks.static_gpu_model import MAX_SHARED_BYTES  # noqa: E402
 
 DECODE_KERNELS = ("decode", "packed_decode")  # 16-row tiles: below wgmma's 64-row minimum, and bandwidth-bound anyway
 
@@ -30,6 +32,8 @@ def _check(rows):
         name = f"{build.kernel} ({build.kind}, {build.dtype}, D={build.head_dim}, sm_{build.arch})"
         if usage["spill"]:
             problems.append(f"{name}: {usage['spill']} bytes of local/stack memory (register spills)")
+        if usage["shared"] > MAX_SHARED_BYTES[build.arch]:
+            problems.append(f"{name}: {usage['shared']} B of shared memory, over the per-block limit (cannot launch)")
         needs_wgmma = (build.matmul and build.arch >= 90 and build.dtype != torch.float32
                        and build.kind not in DECODE_KERNELS)
         if needs_wgmma and not usage["wgmma"]:
