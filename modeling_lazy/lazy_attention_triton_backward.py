@@ -303,14 +303,15 @@ def _causal_bwd_query_tiles(q, do, lse2, threshold, delta, acc, K, V, stride_kt,
 
 
 @triton.jit
-def _lazy_causal_bwd_delta_kernel(OUT, U, DO, TAU, QPOS, DELTA, DTAU_PART, stride_ob, stride_oh, stride_ot,
+def _lazy_causal_bwd_delta_kernel(OUT, U, DO, TAU, QPOS, LSE, DELTA, THR, DTAU_PART, stride_ob, stride_oh, stride_ot,
                                   stride_dob, stride_doh, stride_dot, Hq, Tq, BLOCK_M: tl.constexpr,
                                   BLOCK_D: tl.constexpr, D: tl.constexpr):
     """Causal fast path's Delta from the forward's U (the U identity, docs/design.md): with t_i = tau_h / n_i,
     `Delta_i = dO_i . (O_i - t_i U_i)` (= sum_j m p dP) and the tile's d tau partial `sum_i dO_i . U_i / n_i`
     (= sum_i sum_j m dP / n_i). OUT, U, DO `[B, Tq, Hq, D]` (strides `stride_o*` for OUT and U). No pass over the
-    keys. O is read as stored (the input dtype, as FlashAttention's rowsum(dO * O) reads it), U in float32.
-    Grid (cdiv(Tq, BM), B * Hq)."""
+    keys. O is read as stored (the input dtype, as FlashAttention's rowsum(dO * O) reads it), U in float32. Also
+    each row's threshold THR `[B, Hq, Tq]` (`_row_threshold`, the forward's: -1e30 for a dead row), which the dk/dv
+    kernel reads instead of dividing in every tile. Grid (cdiv(Tq, BM), B * Hq)."""
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = (pid_bh // Hq).to(tl.int64)
@@ -325,9 +326,13 @@ def _lazy_causal_bwd_delta_kernel(OUT, U, DO, TAU, QPOS, DELTA, DTAU_PART, strid
     do = tl.load(DO + b * stride_dob + h * stride_doh + rows[:, None] * stride_dot + offs_d[None, :], mask=mask,
                  other=0.0).to(tl.float32)
     # (a padding row of a documents layout may carry any position; its U is 0)
-    inv_n = 1.0 / tl.maximum(tl.load(QPOS + b * Tq + rows, mask=row_mask, other=0) + 1, 1).to(tl.float32)
+    q_pos = tl.maximum(tl.load(QPOS + b * Tq + rows, mask=row_mask, other=0), 0)
+    inv_n = 1.0 / (q_pos + 1).to(tl.float32)
+    tau_h = tl.load(TAU + h)
+    lse = tl.load(LSE + pid_bh.to(tl.int64) * Tq + rows, mask=row_mask, other=_DEAD_ROW_LSE)
+    tl.store(THR + pid_bh.to(tl.int64) * Tq + rows, _row_threshold(tau_h, q_pos, lse), mask=row_mask)
     do_u = tl.sum(do * u, 1)
-    tl.store(DELTA + pid_bh.to(tl.int64) * Tq + rows, tl.sum(do * o, 1) - tl.load(TAU + h) * inv_n * do_u,
+    tl.store(DELTA + pid_bh.to(tl.int64) * Tq + rows, tl.sum(do * o, 1) - tau_h * inv_n * do_u,
              mask=row_mask)
     tl.store(DTAU_PART + pid_bh.to(tl.int64) * tl.num_programs(0) + pid_m, tl.sum(do_u * inv_n, 0))
 
@@ -396,13 +401,14 @@ def _lazy_causal_bwd_dq_kernel(Q, K, V, TAU, BAND, QPOS, QSEG, LSE, DO, DELTA, D
 
 
 @triton.jit
-def _causal_dkdv_tiles(dk, dv, k, v, Q, DO, QPOS, LSE, DELTA, band, tau_h, n0, lo, hi, Tq, offset, stride_qt,
+def _causal_dkdv_tiles(dk, dv, k, v, Q, DO, THR, LSE, DELTA, band, n0, lo, hi, Tq, offset, stride_qt,
                        stride_dot, scale_log2, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                        D: tl.constexpr, BIAS: tl.constexpr, DIAGONAL: tl.constexpr, UPCAST: tl.constexpr,
                        PRECISION: tl.constexpr):
     """Query tiles [lo, hi) (step BM) of one key tile and one query head, on transposed `[BN, BM]` tiles:
     dk += dS^T Q, dv += a^T dO. Rows past Tq (last tile) read row Tq - 1 instead of masking (masked tile loads
-    cost registers); their dead-row LSE makes p = 0 and m = 0, so they add nothing."""
+    cost registers); their dead-row LSE and threshold make p = 0 and m = 0, so they add nothing. The thresholds come
+    from THR (the Delta kernel's): a division here would run per score element of the transposed tile."""
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     keys = n0 + tl.arange(0, BLOCK_N)
@@ -413,7 +419,7 @@ def _causal_dkdv_tiles(dk, dv, k, v, Q, DO, QPOS, LSE, DELTA, band, tau_h, n0, l
         q = _load_keys(Q, stride_qt, rows_in, offs_d, Tq, D, BLOCK_D, False)
         do = _load_keys(DO, stride_dot, rows_in, offs_d, Tq, D, BLOCK_D, False)
         lse = tl.load(LSE + rows, mask=rows < Tq, other=_DEAD_ROW_LSE)
-        threshold = _row_threshold(tau_h, tl.load(QPOS + rows_in), lse)[None, :]
+        threshold = tl.load(THR + rows, mask=rows < Tq, other=-1.0e30)[None, :]
         p, alive = _causal_bwd_tile(k, q, band + start_m, n0, diagonal, keys[:, None] <= (rows + offset)[None, :],
                                     lse[None, :], threshold, scale_log2, BIAS, DIAGONAL, UPCAST, PRECISION)
         dv = _dot(tl.where(alive, p + threshold, 0.0).to(do.dtype), do, UPCAST, PRECISION, dv)
@@ -423,7 +429,7 @@ def _causal_dkdv_tiles(dk, dv, k, v, Q, DO, QPOS, LSE, DELTA, band, tau_h, n0, l
 
 
 @triton.jit
-def _lazy_causal_bwd_dkdv_kernel(Q, K, V, TAU, BAND, QPOS, LSE, DELTA, DO, DK, DV, DOCS, TILES,
+def _lazy_causal_bwd_dkdv_kernel(Q, K, V, BAND, LSE, DELTA, THR, DO, DK, DV, DOCS, TILES,
                                  stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt,
                                  stride_vb, stride_vh, stride_vt, stride_dob, stride_doh, stride_dot,
                                  stride_dkb, stride_dkh, stride_dkt, Hq, Tq, Tk, W, GROUPS, BAND_LEN, scale_log2,
@@ -468,8 +474,8 @@ def _lazy_causal_bwd_dkdv_kernel(Q, K, V, TAU, BAND, QPOS, LSE, DELTA, DO, DK, D
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     row_offs = (b * Hq + h) * Tq + start  # the (batch row, head) row of LSE and DELTA, at the document's start
     args = (k, v, Q + b * stride_qb + h * stride_qh + start * stride_qt,
-            DO + b * stride_dob + h * stride_doh + start * stride_dot, QPOS + b * Tq + start, LSE + row_offs,
-            DELTA + row_offs, BAND + h * BAND_LEN + (BLOCK_M + BLOCK_N) + offset, tl.load(TAU + h),
+            DO + b * stride_dob + h * stride_doh + start * stride_dot, THR + row_offs, LSE + row_offs,
+            DELTA + row_offs, BAND + h * BAND_LEN + (BLOCK_M + BLOCK_N) + offset,
             n0)  # the band pointer + m0: the band of distance m0 + offset - n0
     dk, dv = _causal_dkdv_tiles(dk, dv, *args, first, tl.minimum(near, q_len), q_len, offset, stride_qt, stride_dot,
                                 scale_log2, BLOCK_M, BLOCK_N, BLOCK_D, D, True, True, UPCAST, PRECISION)
@@ -557,7 +563,7 @@ def _causal_backward(grad_out, query, key, value, dq, dk, dv, tau, distance_bias
     if documents is not None:  # padding is never written by the per-document kernels
         for grad in (dq, dk, dv):
             grad.zero_()
-    common = dict(Q=query, K=key, V=value, TAU=tau32, QPOS=q_pos, LSE=lse, DO=grad_out,
+    common = dict(Q=query, K=key, V=value, LSE=lse, DO=grad_out,
                   **_strides("q", query), **_strides("k", key), **_strides("v", value),
                   **_strides("do", grad_out, h=2, t=1), Hq=num_heads, Tq=q_len, Tk=k_len, W=window,
                   GROUPS=num_heads // kv_heads, scale_log2=scaling * LOG2E, BLOCK_D=block_d, D=dim, UPCAST=_INTERPRET,
@@ -580,24 +586,27 @@ def _causal_backward(grad_out, query, key, value, dq, dk, dv, tau, distance_bias
                                       BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages)
 
     delta = torch.empty(bsz, num_heads, q_len, dtype=torch.float32, device=query.device)
+    thresholds = torch.empty_like(delta)
     delta_m, _, delta_warps, delta_stages = _launch_config("causal_delta", block_d, query.device)
     dtau_part = torch.empty(bsz, num_heads, triton.cdiv(q_len, delta_m), dtype=torch.float32, device=query.device)
     wrap_triton(_lazy_causal_bwd_delta_kernel)[(triton.cdiv(q_len, delta_m), bsz * num_heads)](
-        OUT=out, U=u, DO=grad_out, TAU=tau32, QPOS=q_pos, DELTA=delta, DTAU_PART=dtau_part,
+        OUT=out, U=u, DO=grad_out, TAU=tau32, QPOS=q_pos, LSE=lse, DELTA=delta, THR=thresholds,
+        DTAU_PART=dtau_part,
         **_strides("o", out, h=2, t=1), **_strides("do", grad_out, h=2, t=1), Hq=num_heads, Tq=q_len,
         BLOCK_M=delta_m, BLOCK_D=block_d, D=dim, num_warps=delta_warps, num_stages=delta_stages)
     dq_rows = _launch_config("causal_dq", block_d, query.device)[0]
     dq_programs = grid(dq_rows)[1][0]  # one private d distance_bias row per (program, head) of the dq kernel
     dbias_part = torch.zeros(bsz if documents is None else 1, num_heads, dq_programs, window, dtype=torch.float32,
                              device=query.device)
-    launch(_lazy_causal_bwd_dq_kernel, "causal_dq", lambda block_m, block_n: block_m, QSEG=q_seg, DELTA=delta, DQ=dq,
+    launch(_lazy_causal_bwd_dq_kernel, "causal_dq", lambda block_m, block_n: block_m, TAU=tau32, QPOS=q_pos,
+           QSEG=q_seg, DELTA=delta, DQ=dq,
            DBIAS_PART=dbias_part, scaling=scaling)
     groups = num_heads // kv_heads  # with GQA: float32 terms per query head, summed over each group below
     make = torch.empty if documents is None else torch.zeros
     dk_out, dv_out = (dk, dv) if groups == 1 else (
         make(bsz, num_heads, k_len, dim, dtype=torch.float32, device=query.device) for _ in range(2))
     launch(_lazy_causal_bwd_dkdv_kernel, "causal_dkdv" if documents is None else "causal_dkdv_documents",
-           lambda block_m, block_n: block_n, DELTA=delta, DK=dk_out,
+           lambda block_m, block_n: block_n, DELTA=delta, THR=thresholds, DK=dk_out,
            DV=dv_out, **_strides("dk", dk_out), scaling=scaling)
     if groups > 1:
         dk.copy_(dk_out.view(bsz, kv_heads, groups, k_len, dim).sum(2))

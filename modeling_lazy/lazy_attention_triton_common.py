@@ -173,13 +173,14 @@ AOT_KERNELS = {  # kernel -> (module that defines it, pointer element types)
                               dict(_GENERAL, LSE="fp32", DELTA="fp32", DO="input", DK="input", DV="input",
                                    DBIAS_PART="fp32")),
     "_lazy_causal_bwd_delta_kernel": ("modeling_lazy.lazy_attention_triton_backward",
-                                      dict(OUT="input", U="fp32", DO="input", TAU="fp32", QPOS="i32", DELTA="fp32",
-                                           DTAU_PART="fp32")),
+                                      dict(OUT="input", U="fp32", DO="input", TAU="fp32", QPOS="i32", LSE="fp32",
+                                           DELTA="fp32", THR="fp32", DTAU_PART="fp32")),
     "_lazy_causal_bwd_dq_kernel": ("modeling_lazy.lazy_attention_triton_backward",
                                    dict(_CAUSAL, QSEG="i32", LSE="fp32", DO="input", DELTA="fp32", DQ="input",
                                         DBIAS_PART="fp32")),
     "_lazy_causal_bwd_dkdv_kernel": ("modeling_lazy.lazy_attention_triton_backward",
-                                     dict(_CAUSAL, LSE="fp32", DELTA="fp32", DO="input", DK="input", DV="input")),
+                                     dict(_CAUSAL, LSE="fp32", DELTA="fp32", THR="fp32", DO="input", DK="input",
+                                          DV="input")),
 }
 
 
