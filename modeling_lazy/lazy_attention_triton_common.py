@@ -58,8 +58,10 @@ LN2 = 0.6931471805599453
 
 # GPU family -> (kernel kind, padded head dim) -> (BLOCK_M, BLOCK_N, num_warps, num_stages). Padded head
 # dims up to 64 use the 64 rows, larger ones the 128 rows (256 runs but is not tuned). Chosen so that no
-# build spills registers (tests/test_triton_aot.py); Ampere's mma.sync keeps more of each tile in
-# registers than Hopper's wgmma, so its tiles are smaller. Other GPUs use the sm80 table.
+# build spills registers or needs more shared memory than a block may have (tests/test_triton_aot.py), then by the
+# static GPU model (benchmarks/static_gpu_model.py) where it was swept (the causal backward's dq and dk/dv: 4 warps
+# on small tiles model faster than 8); Ampere's mma.sync keeps more of each tile in registers than Hopper's wgmma,
+# so its tiles are smaller. Other GPUs use the sm80 table.
 _CONFIGS = {
     "sm90": {
         ("fwd", 64): (128, 64, 8, 2),
@@ -83,10 +85,10 @@ _CONFIGS = {
         ("causal_delta", 64): (64, 0, 4, 1),
         ("causal_delta", 128): (32, 0, 4, 1),
         ("causal_dq", 64): (128, 64, 8, 2),
-        ("causal_dq", 128): (128, 32, 8, 2),
-        ("causal_dkdv", 64): (64, 64, 4, 2),
+        ("causal_dq", 128): (64, 32, 4, 2),
+        ("causal_dkdv", 64): (32, 64, 4, 2),
         ("causal_dkdv", 128): (32, 128, 8, 2),
-        ("causal_dkdv_documents", 64): (64, 64, 4, 2),
+        ("causal_dkdv_documents", 64): (32, 64, 4, 2),
         ("causal_dkdv_documents", 128): (32, 128, 8, 2),
     },
     "sm80": {
@@ -110,12 +112,12 @@ _CONFIGS = {
         ("dkdv", 128): (32, 64, 8, 2),
         ("causal_delta", 64): (64, 0, 4, 1),
         ("causal_delta", 128): (32, 0, 4, 1),
-        ("causal_dq", 64): (64, 32, 8, 2),
-        ("causal_dq", 128): (64, 32, 8, 2),
-        ("causal_dkdv", 64): (64, 64, 8, 2),
-        ("causal_dkdv", 128): (32, 64, 8, 2),
-        ("causal_dkdv_documents", 64): (32, 64, 8, 2),  # the document table's registers: 64 x 64 spills here
-        ("causal_dkdv_documents", 128): (32, 64, 8, 2),
+        ("causal_dq", 64): (64, 32, 4, 2),
+        ("causal_dq", 128): (32, 32, 4, 2),  # 64 x 32: the per-document build spills
+        ("causal_dkdv", 64): (32, 64, 4, 2),
+        ("causal_dkdv", 128): (32, 64, 4, 2),
+        ("causal_dkdv_documents", 64): (32, 64, 4, 2),
+        ("causal_dkdv_documents", 128): (32, 64, 4, 2),
     },
 }
 
