@@ -33,7 +33,7 @@ def run_vllm(folder: str, args) -> dict:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from vllm import LLM, SamplingParams
 
-    llm = LLM(model=folder, dtype="float32", enforce_eager=True, skip_tokenizer_init=True, enable_prefix_caching=False,
+    llm = LLM(model=folder, dtype=args.dtype, enforce_eager=True, skip_tokenizer_init=True, enable_prefix_caching=False,
               max_model_len=args.prompt + args.new_tokens + 16, max_num_seqs=max(args.batch, 1))
     params = SamplingParams(temperature=0.0, max_tokens=args.new_tokens, ignore_eos=True)
 
@@ -56,7 +56,7 @@ def run_generate(folder: str, args) -> dict:
 
     import modeling_lazy  # noqa: F401  (registers LazyLlama)
 
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, args.dtype)).eval()
 
     def timed(batch: list[list[int]]) -> float:
         ids = torch.tensor(batch)
@@ -89,7 +89,7 @@ def child(kind: str, folder: str, args) -> dict:
     """Run one measurement in a fresh process (one engine per process); returns its JSON line."""
     command = [sys.executable, "-m", "benchmarks.serving_benchmark", "--child", kind, "--folder", folder,
                "--batch", str(args.batch), "--prompt", str(args.prompt), "--new-tokens", str(args.new_tokens),
-               "--repeats", str(args.repeats)]
+               "--repeats", str(args.repeats), "--dtype", args.dtype]
     env = {"VLLM_CPU_KVCACHE_SPACE": "1", **os.environ}  # GiB; without it vLLM claims most of the RAM
     proc = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
@@ -108,6 +108,8 @@ def main() -> None:
     parser.add_argument("--tau", type=float, default=0.0,
                         help="tau of every head of the served LazyLlama (0: the exact conversion, which is softmax "
                              "attention and takes SDPA in the CPU op; -1: Elastic-Softmax with exact zeros)")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                        help="the engines' dtype (`make serve` picks bfloat16 where the CPU computes it natively)")
     parser.add_argument("--no-generate", action="store_true",
                         help="skip the (slow) transformers generate() run: only the two vLLM engines")
     parser.add_argument("--child", choices=["vllm", "generate"], help=argparse.SUPPRESS)
@@ -145,7 +147,7 @@ def main() -> None:
         "command": "python -m benchmarks.serving_benchmark " + " ".join(sys.argv[1:]),
         "commit": commit,
         "settings": {"batch": args.batch, "prompt": args.prompt, "new_tokens": args.new_tokens, "tau": args.tau,
-                     "repeats": args.repeats, "dtype": "float32", "enforce_eager": True, "greedy": True},
+                     "repeats": args.repeats, "dtype": args.dtype, "enforce_eager": True, "greedy": True},
         "versions": {"vllm": vllm.__version__, "torch": torch.__version__, "transformers": transformers.__version__,
                      "python": platform.python_version()},
         "machine": {"cpus": os.cpu_count(), "load_average_at_end": os.getloadavg()},
