@@ -437,14 +437,22 @@ def workload_table(device, heads=16, dim=128, shrink=1) -> None:
         times = time_interleaved(functions, device, repeats=10)
         for name, ms in times.items():
             print(f"| {label} | {name} | {ms:.3f} | {ms / times['sdpa-flash (useful tokens)']:.2f} |", flush=True)
-        del q, k, v, tau, bias
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+    del cases  # the decode rows allocate their own tensors
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    decode_workloads(device, shrink)
+
+
+def decode_workloads(device, shrink=1, tolerance=4e-2, heads=32, kv_heads=8, dim=128) -> None:
+    """Decode, batch 8 (GQA 32/8, D 128 by default; bf16) after 4k and 32k keys (divided by `shrink`): SDPA on the
+    unpadded rows, Lazy on them (the packed decode), on a left-padded batch (from each row's first key) and on the
+    same batch in a static cache's buffer with its written length as a tensor (the packed decode of any layout).
+    Each Lazy path is checked against the float32 reference first; an error above `tolerance` stops the run."""
     print("\n| decode | method | ms | / SDPA (unpadded) | error vs float32 reference |")
     print("|---|---|---|---|---|")
     for length in (4096 // shrink, 32768 // shrink):
         with torch.no_grad():
-            (q, k, v, tau, bias), plain_meta = make_inputs(8, 32, 8, 1, length, 128, -1.0, 1024, device)
+            (q, k, v, tau, bias), plain_meta = make_inputs(8, heads, kv_heads, 1, length, dim, -1.0, 1024, device)
             pad = torch.tensor([0, 100, 300, 700, 1500, 40, 2000, 5]) // shrink
             mask = (torch.arange(length) >= pad[:, None]).long().to(device)
             left = LazyMetadata.from_mask(mask, query_length=1, past_length=length - 1)
@@ -456,13 +464,13 @@ def workload_table(device, heads=16, dim=128, shrink=1) -> None:
                                             past_length=torch.tensor(length - 1, device=device))
 
             def lazy_left():
-                return lazy_triton.lazy_attention_triton(q, k, v, tau, bias, left, 128**-0.5)
+                return lazy_triton.lazy_attention_triton(q, k, v, tau, bias, left, dim**-0.5)
 
             def lazy_static():
-                return lazy_triton.lazy_attention_triton(q, k_buf, v_buf, tau, bias, static, 128**-0.5)
+                return lazy_triton.lazy_attention_triton(q, k_buf, v_buf, tau, bias, static, dim**-0.5)
 
             def lazy_plain():
-                return lazy_triton.lazy_attention_triton(q, k, v, tau, bias, plain_meta, 128**-0.5)
+                return lazy_triton.lazy_attention_triton(q, k, v, tau, bias, plain_meta, dim**-0.5)
 
             def sdpa():
                 F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
@@ -470,10 +478,12 @@ def workload_table(device, heads=16, dim=128, shrink=1) -> None:
             expected = {"lazy, unpadded (packed decode)": plain_meta, "lazy, left-padded batch": left,
                         "lazy, left-padded static buffer (any layout)": left}
             errors = {name: _relative(run(), lazy_attention_reference(
-                *(x.float() for x in (q, k, v)), tau, bias, expected[name], 128**-0.5)[0])
+                *(x.float() for x in (q, k, v)), tau, bias, expected[name], dim**-0.5)[0])
                 for name, run in (("lazy, unpadded (packed decode)", lazy_plain),
                                   ("lazy, left-padded batch", lazy_left),
                                   ("lazy, left-padded static buffer (any layout)", lazy_static))}
+            if max(errors.values()) > tolerance:
+                raise SystemExit(f"decode gate failed at {length} keys: {errors}")
             times = time_interleaved({"sdpa": sdpa, "lazy, unpadded (packed decode)": lazy_plain,
                                       "lazy, left-padded batch": lazy_left,
                                       "lazy, left-padded static buffer (any layout)": lazy_static}, device)
@@ -550,6 +560,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="L in {1k, 4k}, no FlexAttention")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes; runs on CPU under TRITON_INTERPRET=1")
     parser.add_argument("--keep-going", action="store_true", help="time even when the correctness gate fails")
+    parser.add_argument("--decode-only", action="store_true",
+                        help="only the decode workloads (with --smoke: tiny, on CPU under TRITON_INTERPRET=1)")
     parser.add_argument("--documents", action="store_true",
                         help="only the gates, the documents gate, the model check and the workload table")
     args = parser.parse_args()
@@ -562,8 +574,13 @@ def main() -> None:
     print(f"# Lazy Attention GPU benchmark\n\n{gpu}; torch {torch.__version__}, triton {triton.__version__}, "
           f"CUDA {torch.version.cuda}, Python {platform.python_version()}\n")
     torch.manual_seed(0)
+    global REPEATS, WARMUP
+    if args.decode_only:
+        if args.smoke:
+            REPEATS, WARMUP = 1, 0
+        decode_workloads(device, **(dict(shrink=128, heads=4, kv_heads=2, dim=64) if args.smoke else {}))
+        return
     if args.smoke:
-        global REPEATS, WARMUP
         REPEATS, WARMUP = 2, 1
         correctness_gate(device, [(1, 2, 1, 40, 40, 64, -1.0), (1, 2, 1, 1, 50, 64, 0.0)])
         documents_gate(device, shrink=20)

@@ -1,10 +1,13 @@
-"""The CPU benchmark script runs at smoke size and prints finite ratios for every table (so it never rots)."""
+"""The benchmark scripts run at smoke size and print finite ratios for every table (so they never rot): the CPU
+benchmark, and the GPU benchmark's decode rows under the Triton interpreter."""
 
 import math
 import re
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -20,6 +23,23 @@ def test_cpu_benchmarks_smoke():
     assert len(ratios) >= 4 + 8 and all(math.isfinite(r) and r > 0 for r in ratios)
     for measure in ("prefill", "generate", "train step"):
         assert measure in text
+
+
+def test_gpu_benchmark_decode_rows_smoke():
+    """The GPU benchmark's decode rows (plain, left-padded, a static cache's buffer) run under the Triton interpreter
+    at tiny sizes, pass their gate against the float32 reference and print every row: a lent GPU's minutes are not
+    spent on a script that crashes."""
+    import os
+
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
+    out = subprocess.run([sys.executable, "benchmarks/gpu_benchmark.py", "--smoke", "--decode-only"], cwd=ROOT,
+                         env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
+    rows = [line for line in out.stdout.splitlines() if line.startswith("| B 8,")]
+    assert len(rows) == 2 * 4, out.stdout
+    errors = [float(line.rstrip(" |").split("|")[-1]) for line in rows if "lazy" in line]
+    assert len(errors) == 6 and max(errors) < 4e-2, rows
 
 
 def test_in_place_benchmark_cache_equals_the_dynamic_cache(rng_seed):
