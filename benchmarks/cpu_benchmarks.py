@@ -8,6 +8,7 @@ per-round ratios; the spread is the min-max of those ratios. Tables are printed 
     python -m benchmarks.cpu_benchmarks --smoke    # tiny sizes, seconds (run in CI)
     python -m benchmarks.cpu_benchmarks --only attention,memory
     python -m benchmarks.cpu_benchmarks --threads 1 --only decode,smollm2 --json benchmarks/results/decode.json
+    python -m benchmarks.cpu_benchmarks --threads 1 --only share   # the attention calls' share of batched generate()
 
 `decode` times one generated token (one forward of one new token against a cache of L keys, the cache cut
 back to L after each step) at several L; `smollm2` does the same with the real SmolLM2-135M-Instruct (the
@@ -29,8 +30,10 @@ import torch
 import torch.nn.functional as F
 import transformers
 from transformers.cache_utils import DynamicCache, DynamicLayer
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 import modeling_lazy  # noqa: F401
+import modeling_lazy.modeling_lazy as lazy_module
 from modeling_lazy import LazyLlamaConfig, LazyLlamaForCausalLM, is_lazy_parameter
 from modeling_lazy.lazy_attention_reference import LazyMetadata
 from modeling_lazy.lazy_attention_torch import lazy_attention_torch
@@ -232,6 +235,65 @@ def _train_ratio(lazy, llama, ids, positions, rounds):
         lazy.eval(), llama.eval()
 
 
+class _AttentionTimer:
+    """Adds up the wall time of every attention call (the fused op behind LazyLlama's "lazy" interface, the
+    interface registered for Llama's "sdpa") while it is entered; the projections, RoPE and cache are outside."""
+
+    def __init__(self):
+        self.seconds = 0.0
+
+    def wrap(self, fn):
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - t0
+
+        return timed
+
+    def __enter__(self):
+        self.lazy, self.sdpa = lazy_module.lazy_attention, ALL_ATTENTION_FUNCTIONS["sdpa"]
+        lazy_module.lazy_attention = self.wrap(self.lazy)
+        ALL_ATTENTION_FUNCTIONS["sdpa"] = self.wrap(self.sdpa)
+        return self
+
+    def __exit__(self, *exc):
+        lazy_module.lazy_attention, ALL_ATTENTION_FUNCTIONS["sdpa"] = self.lazy, self.sdpa
+
+
+def bench_attention_share(size):
+    """Where the time of the left-padded batched generate() goes: the attention calls' share of the whole call and
+    the ratio of the attention calls alone (LazyLlama's fused op / Llama's SDPA), tau = -1, interleaved rounds."""
+    print("\n### Left-padded batched generate(): the attention calls' share, tau = -1\n")
+    print(_row(["model", "generate s", "attention calls s", "share", "attention time ratio (spread)"]))
+    print(_row(["---"] * 5))
+    lazy, llama = _models(size, -1.0)
+    lengths, vocab = size["batch_prompts"], size["model"]["vocab_size"]
+    ids = torch.randint(3, vocab, (len(lengths), max(lengths)))
+    mask = (torch.arange(max(lengths)) >= max(lengths) - torch.tensor(lengths)[:, None]).long()
+    gen = dict(max_new_tokens=size["new_tokens"], min_new_tokens=size["new_tokens"], do_sample=False,
+               attention_mask=mask, pad_token_id=0)
+    lazy.generate(ids, **gen), llama.generate(ids, **gen)
+    totals, attention, ratios = {"lazy": [], "llama": []}, {"lazy": [], "llama": []}, []
+    for _ in range(size["rounds"]):
+        for name, model in (("lazy", lazy), ("llama", llama)):
+            with _AttentionTimer() as timer:
+                t0 = time.perf_counter()
+                model.generate(ids, **gen)
+                totals[name].append(time.perf_counter() - t0)
+            attention[name].append(timer.seconds)
+        ratios.append(attention["lazy"][-1] / attention["llama"][-1])
+    med = {name: (statistics.median(totals[name]), statistics.median(attention[name])) for name in totals}
+    for name in ("lazy", "llama"):
+        total, att = med[name]
+        cell = _fmt(statistics.median(ratios), min(ratios), max(ratios)) if name == "lazy" else ""
+        print(_row([name, f"{total:.3f}", f"{att:.3f}", f"{att / total:.1%}", cell]))
+    _record("attention share", prompts=lengths, new_tokens=size["new_tokens"], tau=-1.0,
+            generate_s={name: med[name][0] for name in med}, attention_s={name: med[name][1] for name in med},
+            attention_ratio={"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios)})
+
+
 class InPlaceLayer(DynamicLayer):
     """A `DynamicLayer` that writes new keys/values into spare capacity (doubled when full) instead of
     concatenating: `DynamicCache` copies the whole cache every token (~10 ms per layer at 8k keys here, five times
@@ -352,7 +414,7 @@ def bench_smollm2(size):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--smoke", action="store_true", help="tiny sizes (seconds), for CI")
-    parser.add_argument("--only", default="attention,memory,model,decode,smollm2", help="comma-separated subset")
+    parser.add_argument("--only", default="attention,memory,model,decode,smollm2,share", help="comma-separated subset")
     parser.add_argument("--no-train", action="store_true", help="skip the training-step rows of `model`")
     parser.add_argument("--json", help="also write every row as raw data to this file")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
@@ -369,7 +431,7 @@ def main(argv=None):
                f"transformers {transformers.__version__}, python {platform.python_version()}")
     print(f"machine: {machine}")
     benches = {"attention": bench_attention, "memory": bench_memory, "model": bench_model, "decode": bench_decode,
-               "smollm2": bench_smollm2}
+               "smollm2": bench_smollm2, "share": bench_attention_share}
     from lazy_llama_tools.replicate import code_version
 
     code = code_version()  # the git commit measured (and uncommitted files), taken before anything runs
