@@ -68,8 +68,10 @@ def cache_write_supported(key: torch.Tensor, value: torch.Tensor, cache: torch.T
 
 
 def _float32(tensor: torch.Tensor) -> torch.Tensor:
-    """`tensor` as contiguous float32 without autograd history (no call when it already is: microseconds count)."""
-    if tensor.dtype != torch.float32 or tensor.requires_grad or not tensor.is_contiguous():
+    """`tensor` as contiguous float32 without autograd history (no call when it already is, or when only its
+    `requires_grad` says otherwise while grad mode is off, as in generation: microseconds count)."""
+    if (tensor.dtype != torch.float32 or not tensor.is_contiguous()
+            or (tensor.requires_grad and torch.is_grad_enabled())):
         tensor = tensor.detach().to(torch.float32).contiguous()
     return tensor
 

@@ -177,19 +177,27 @@ def _torch_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
                      training: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """`(out [B, Tq, Hq, D] query dtype, lse [B, Hq, Tq] of the general layout when training, else [0])`."""
     metadata = _concrete_metadata(q_pos, k_pos, q_seg, k_seg, key_offset, causal, training)
-    key_starts = None
-    if training:
-        kernel = "torch_train"
-    else:
-        native = decode_supported(query, key, value)
-        if native and query.shape[2] == 1 and not metadata.causal:
-            key_starts = left_padding(metadata)
-        kernel = choose_kernel(query.device, query.dtype, query.shape[2], query.shape[0], metadata.causal, False, False,
-                               backend="torch", softmax_only=softmax_only(query, tau, distance_bias, metadata),
-                               native_layout=native, left_padded=key_starts is not None)
-    out, lse = torch_forward(kernel, query, key, value, tau, distance_bias, metadata, scaling, key_starts=key_starts)
-    # contiguous, as the fake implementation says (the decode kernels give a transposed view)
+    if not training:
+        return (_torch_inference(query, key, value, tau, distance_bias, metadata, scaling),
+                query.new_empty(0, dtype=torch.float32))
+    out, lse = torch_forward("torch_train", query, key, value, tau, distance_bias, metadata, scaling)
     return out.contiguous(), query.new_empty(0, dtype=torch.float32) if lse is None else lse
+
+
+def _torch_inference(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, tau: torch.Tensor,
+                     distance_bias: torch.Tensor, metadata: LazyMetadata, scaling: float) -> torch.Tensor:
+    """`out [B, Tq, Hq, D]` (query dtype, contiguous, as the fake implementation says: the decode kernels give a
+    transposed view) of an inference call on the PyTorch path, `metadata` with an int key offset: the body of the
+    operator, and what eager calls run without the operator (a decode step pays every microsecond of the way)."""
+    key_starts = None
+    native = decode_supported(query, key, value)
+    if native and query.shape[2] == 1 and not metadata.causal:
+        key_starts = left_padding(metadata)
+    kernel = choose_kernel(query.device, query.dtype, query.shape[2], query.shape[0], metadata.causal, False, False,
+                           backend="torch", softmax_only=softmax_only(query, tau, distance_bias, metadata),
+                           native_layout=native, left_padded=key_starts is not None)
+    return torch_forward(kernel, query, key, value, tau, distance_bias, metadata, scaling,
+                         key_starts=key_starts)[0].contiguous()
 
 
 def _torch_attention_backward(grad_out: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -392,8 +400,10 @@ def lazy_attention(query, key, value, tau, distance_bias, metadata: LazyMetadata
     if kernel.startswith("torch"):
         key_offset = metadata.key_offset if metadata.static_buffer else None
         if not needs_grad and not _tracing(query):  # eager inference: the op's body without the dispatcher's cost
-            return _torch_attention(query, key, value, tau, distance_bias, metadata.q_pos, metadata.k_pos,
-                                    metadata.q_seg, metadata.k_seg, key_offset, metadata.causal, scaling, False)[0]
+            if metadata.static_buffer:  # cut to the written keys (the model's metadata serves every other call)
+                metadata = _concrete_metadata(metadata.q_pos, metadata.k_pos, metadata.q_seg, metadata.k_seg,
+                                              key_offset, metadata.causal, False)
+            return _torch_inference(query, key, value, tau, distance_bias, metadata, scaling)
         return torch.ops.lazy_llama.attention(query, key, value, tau, distance_bias, metadata.q_pos, metadata.k_pos,
                                               metadata.q_seg, metadata.k_seg, key_offset, metadata.causal, scaling,
                                               needs_grad)[0]

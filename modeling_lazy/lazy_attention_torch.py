@@ -576,14 +576,13 @@ def left_padding(metadata: LazyMetadata) -> torch.Tensor | None:
         k_len = metadata.key_length
         q_pos, k_pos, k_seg = metadata.q_pos[:, 0], metadata.k_pos, metadata.k_seg
         starts = k_len - 1 - q_pos  # where the query's own document starts, if it is all of the row's real keys
-        if bool((starts < 0).any()) or bool((metadata.q_seg != 0).any()):
-            return None
         index = torch.arange(k_len, device=k_pos.device)
         real = index >= starts[:, None]
-        if not (torch.equal(k_seg >= 0, real) and bool((k_seg <= 0).all())
-                and torch.equal(torch.where(real, k_pos, 0), torch.where(real, index - starts[:, None], 0))):
-            return None
-        return starts.to(torch.int32).contiguous()
+        # one host sync: every start inside the row, the query in segment 0, exactly the real keys in segment 0
+        # (padding keys negative), and the real keys at positions 0 .. (their index - start)
+        fits = ((starts >= 0).all() & (metadata.q_seg == 0).all() & ((k_seg >= 0) == real).all()
+                & (k_seg <= 0).all() & ((k_pos == index - starts[:, None]) | ~real).all())
+        return starts.to(torch.int32).contiguous() if bool(fits) else None
 
     return _parameter_fact(metadata.k_seg, ("left_padding", id(metadata.q_pos), id(metadata.k_pos)), build)
 
