@@ -170,6 +170,16 @@ def _models(size, tau_value):
     return lazy, llama
 
 
+def _left_padded_batch(size):
+    """`(input_ids, generate kwargs)` of the benchmark's left-padded batch (prompts of `batch_prompts` tokens, as
+    batched generate() takes them), `new_tokens` greedy tokens each."""
+    lengths = size["batch_prompts"]
+    ids = torch.randint(3, size["model"]["vocab_size"], (len(lengths), max(lengths)))
+    mask = (torch.arange(max(lengths)) >= max(lengths) - torch.tensor(lengths)[:, None]).long()
+    return ids, dict(max_new_tokens=size["new_tokens"], min_new_tokens=size["new_tokens"], do_sample=False,
+                     attention_mask=mask, pad_token_id=0)
+
+
 def bench_model(size):
     vocab = size["model"]["vocab_size"]
     print("\n### Model: LazyLlama time / LlamaForCausalLM (sdpa) time, same weights; tokens/s ratio = 1 / this\n")
@@ -195,11 +205,8 @@ def bench_model(size):
                         f"{1 / r[0]:.2f}x", f"{r[3]:.3f}", f"{r[4]:.3f}"]))
             _record("model", measure="generate", prompt=length, new_tokens=size["new_tokens"], tau=tau_value,
                     **_raw(r))
-        lengths = size["batch_prompts"]  # a left-padded batch, as batched generate() takes it
-        ids = torch.randint(3, vocab, (len(lengths), max(lengths)))
-        mask = (torch.arange(max(lengths)) >= max(lengths) - torch.tensor(lengths)[:, None]).long()
-        gen = dict(max_new_tokens=size["new_tokens"], min_new_tokens=size["new_tokens"], do_sample=False,
-                   attention_mask=mask, pad_token_id=0)
+        lengths = size["batch_prompts"]
+        ids, gen = _left_padded_batch(size)
         r = interleaved_ratio(lambda: lazy.generate(ids, **gen), lambda: llama.generate(ids, **gen), size["rounds"])
         label = f"generate {size['new_tokens']}, batch of {len(lengths)} left-padded ({min(lengths)}-{max(lengths)})"
         print(_row([label, tau_value, _fmt(*r[:3]), f"{1 / r[0]:.2f}x", f"{r[3]:.3f}", f"{r[4]:.3f}"]))
@@ -269,11 +276,7 @@ def bench_attention_share(size):
     print(_row(["model", "generate s", "attention calls s", "share", "attention time ratio (spread)"]))
     print(_row(["---"] * 5))
     lazy, llama = _models(size, -1.0)
-    lengths, vocab = size["batch_prompts"], size["model"]["vocab_size"]
-    ids = torch.randint(3, vocab, (len(lengths), max(lengths)))
-    mask = (torch.arange(max(lengths)) >= max(lengths) - torch.tensor(lengths)[:, None]).long()
-    gen = dict(max_new_tokens=size["new_tokens"], min_new_tokens=size["new_tokens"], do_sample=False,
-               attention_mask=mask, pad_token_id=0)
+    ids, gen = _left_padded_batch(size)
     lazy.generate(ids, **gen), llama.generate(ids, **gen)
     totals, attention, ratios = {"lazy": [], "llama": []}, {"lazy": [], "llama": []}, []
     for _ in range(size["rounds"]):
@@ -289,7 +292,7 @@ def bench_attention_share(size):
         total, att = med[name]
         cell = _fmt(statistics.median(ratios), min(ratios), max(ratios)) if name == "lazy" else ""
         print(_row([name, f"{total:.3f}", f"{att:.3f}", f"{att / total:.1%}", cell]))
-    _record("attention share", prompts=lengths, new_tokens=size["new_tokens"], tau=-1.0,
+    _record("attention share", prompts=size["batch_prompts"], new_tokens=size["new_tokens"], tau=-1.0,
             generate_s={name: med[name][0] for name in med}, attention_s={name: med[name][1] for name in med},
             attention_ratio={"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios)})
 
