@@ -395,23 +395,26 @@ def _causal_ranges(p: Problem, m0: int, bm: int, bn: int) -> tuple[int, int, int
 
 def _lazy_causal_fwd_work(p: Problem, blocks, sms, store_u: bool = False):
     """Pass 1 and pass 2, each: beyond the window, inside it, at the causal limit. `store_u` (training): U written
-    too (float32)."""
+    too (bf16, as O)."""
     bm, bn = blocks
     ranges = [_causal_ranges(p, m * bm, bm, bn) for m in range(_cdiv(p.length, bm))]
     bh = p.batch * p.heads
     per_loop = [bh * sum(r[i] for r in ranges) for i in range(3)]
     qkvo = _bytes(2 * bh * p.length * p.dim, 2 * p.batch * p.kv_heads * p.length * p.dim)
-    u = 4 * bh * p.length * p.dim if store_u else 0
+    u = 2 * bh * p.length * p.dim if store_u else 0
     return Work(bh * len(ranges), per_loop * 2, qkvo + u + 4 * bh * p.length, (bm, bn))
 
 
 def _lazy_causal_delta_work(p: Problem, blocks, sms):
-    """Causal Delta from U: one query tile per program, no key loop; reads O, dO (bf16) and U (float32)."""
+    """Causal Delta from U: one query tile per program, no key loop; reads O, dO and U (bf16) of every row, or with
+    `documents` of the rows in a document (QSEG, read for every token, says which), and the LSE; writes Delta and
+    the threshold."""
     bm, _ = blocks
-    bh = p.batch * p.heads
-    rows = bh * p.length
-    return Work(bh * _cdiv(p.length, bm), [], (2 + 2 + 4) * rows * p.dim + 4 * rows + 4 * p.batch * p.length,
-                (bm, p.dim))
+    rows = p.batch * p.length
+    useful = sum(p.documents) if p.documents else rows
+    per_token = 4 * (2 if p.documents else 1)  # QPOS (and QSEG)
+    return Work(p.batch * p.heads * _cdiv(p.length, bm), [],
+                p.heads * ((2 + 2 + 2) * useful * p.dim + (4 + 4 + 4) * rows) + per_token * rows, (bm, p.dim))
 
 
 def _lazy_causal_bwd_query_work(p: Problem, blocks, sms, writes_dq: bool):
@@ -574,10 +577,11 @@ LAZY_FAST = {
     "dkdv": KernelSpec("lazy bwd dk/dv (causal)", "lazy", "_lazy_causal_bwd_dkdv_kernel", "causal_dkdv",
                        _lazy_causal_dkdv_work),
 }
-LAZY_DOCUMENTS = {  # the causal fast path per document: its kernels' DOCUMENTS builds; Delta over every row
+LAZY_DOCUMENTS = {  # the causal fast path per document: its kernels' DOCUMENTS builds (Delta over every row)
     "fwd_u": KernelSpec("lazy fwd + U (per document)", "lazy", "_lazy_causal_fwd_kernel", "causal_fwd_u",
                         partial(_lazy_causal_fwd_work, store_u=True), documents=True),
-    "delta": LAZY_FAST["delta"],
+    "delta": KernelSpec("lazy bwd Delta from U (per document)", "lazy", "_lazy_causal_bwd_delta_kernel",
+                        "causal_delta", _lazy_causal_delta_work, documents=True),
     "dq": KernelSpec("lazy bwd dq (per document)", "lazy", "_lazy_causal_bwd_dq_kernel", "causal_dq",
                      partial(_lazy_causal_bwd_query_work, writes_dq=True), documents=True),
     "dkdv": KernelSpec("lazy bwd dk/dv (per document)", "lazy", "_lazy_causal_bwd_dkdv_kernel",

@@ -303,15 +303,16 @@ def _causal_bwd_query_tiles(q, do, lse2, threshold, delta, acc, K, V, stride_kt,
 
 
 @triton.jit
-def _lazy_causal_bwd_delta_kernel(OUT, U, DO, TAU, QPOS, LSE, DELTA, THR, DTAU_PART, stride_ob, stride_oh, stride_ot,
-                                  stride_dob, stride_doh, stride_dot, Hq, Tq, BLOCK_M: tl.constexpr,
-                                  BLOCK_D: tl.constexpr, D: tl.constexpr):
+def _lazy_causal_bwd_delta_kernel(OUT, U, DO, TAU, QPOS, QSEG, LSE, DELTA, THR, DTAU_PART, stride_ob, stride_oh,
+                                  stride_ot, stride_dob, stride_doh, stride_dot, Hq, Tq, BLOCK_M: tl.constexpr,
+                                  BLOCK_D: tl.constexpr, D: tl.constexpr, DOCUMENTS: tl.constexpr = False):
     """Causal fast path's Delta from the forward's U (the U identity, docs/design.md): with t_i = tau_h / n_i,
     `Delta_i = dO_i . (O_i - t_i U_i)` (= sum_j m p dP) and the tile's d tau partial `sum_i dO_i . U_i / n_i`
     (= sum_i sum_j m dP / n_i). OUT, U, DO `[B, Tq, Hq, D]` (strides `stride_o*` for OUT and U). No pass over the
-    keys. O is read as stored (the input dtype, as FlashAttention's rowsum(dO * O) reads it), U in float32. Also
+    keys. O and U are read as stored (the input dtype, as FlashAttention's rowsum(dO * O) reads O). Also
     each row's threshold THR `[B, Hq, Tq]` (`_row_threshold`, the forward's: -1e30 for a dead row), which the dk/dv
-    kernel reads instead of dividing in every tile. Grid (cdiv(Tq, BM), B * Hq)."""
+    kernel reads instead of dividing in every tile. Grid (cdiv(Tq, BM), B * Hq). `DOCUMENTS`: rows of no document
+    (QSEG < 0: padding, whose O and U the forward left 0) read no O, U or dO (their Delta and d tau terms are 0)."""
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = (pid_bh // Hq).to(tl.int64)
@@ -319,10 +320,13 @@ def _lazy_causal_bwd_delta_kernel(OUT, U, DO, TAU, QPOS, LSE, DELTA, THR, DTAU_P
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     row_mask = rows < Tq
-    mask = row_mask[:, None] & (offs_d[None, :] < D)
+    live = row_mask
+    if DOCUMENTS:
+        live = row_mask & (tl.load(QSEG + b * Tq + rows, mask=row_mask, other=-1) >= 0)
+    mask = live[:, None] & (offs_d[None, :] < D)
     offs = b * stride_ob + h * stride_oh + rows[:, None] * stride_ot + offs_d[None, :]
     o = tl.load(OUT + offs, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(U + offs, mask=mask, other=0.0)
+    u = tl.load(U + offs, mask=mask, other=0.0).to(tl.float32)
     do = tl.load(DO + b * stride_dob + h * stride_doh + rows[:, None] * stride_dot + offs_d[None, :], mask=mask,
                  other=0.0).to(tl.float32)
     # (a padding row of a documents layout may carry any position; its U is 0)
@@ -590,8 +594,8 @@ def _causal_backward(grad_out, query, key, value, dq, dk, dv, tau, distance_bias
     delta_m, _, delta_warps, delta_stages = _launch_config("causal_delta", block_d, query.device)
     dtau_part = torch.empty(bsz, num_heads, triton.cdiv(q_len, delta_m), dtype=torch.float32, device=query.device)
     wrap_triton(_lazy_causal_bwd_delta_kernel)[(triton.cdiv(q_len, delta_m), bsz * num_heads)](
-        OUT=out, U=u, DO=grad_out, TAU=tau32, QPOS=q_pos, LSE=lse, DELTA=delta, THR=thresholds,
-        DTAU_PART=dtau_part,
+        OUT=out, U=u, DO=grad_out, TAU=tau32, QPOS=q_pos, QSEG=q_seg, LSE=lse, DELTA=delta, THR=thresholds,
+        DTAU_PART=dtau_part, DOCUMENTS=documents is not None,
         **_strides("o", out, h=2, t=1), **_strides("do", grad_out, h=2, t=1), Hq=num_heads, Tq=q_len,
         BLOCK_M=delta_m, BLOCK_D=block_d, D=dim, num_warps=delta_warps, num_stages=delta_stages)
     dq_rows = _launch_config("causal_dq", block_d, query.device)[0]

@@ -320,7 +320,7 @@ def _lazy_causal_fwd_kernel(Q, K, V, TAU, BAND, QPOS, OUT, LSE, U, DOCS, TILES,
                             UPCAST: tl.constexpr, PRECISION: tl.constexpr, STORE_U: tl.constexpr,
                             DOCUMENTS: tl.constexpr = False):
     """Causal fast path, one query tile of one query head: `causal_passes`. Grid: (cdiv(Tq, BM), B * Hq). LSE in
-    log2 units. `STORE_U` (training): also U_i = sum_j m_ij v_j into U (float32, OUT's shape and strides), from
+    log2 units. `STORE_U` (training): also U_i = sum_j m_ij v_j into U (OUT's dtype, shape and strides), from
     which `_lazy_causal_bwd_delta_kernel` gets Delta and d tau without another pass over the keys.
 
     `DOCUMENTS`: the rows hold documents (packed, or between padding), each a causal layout of its own at
@@ -361,7 +361,7 @@ def _lazy_causal_fwd_kernel(Q, K, V, TAU, BAND, QPOS, OUT, LSE, U, DOCS, TILES,
     out_mask = row_mask[:, None] & (offs_d[None, :] < D)
     tl.store(OUT + out_offs, acc.to(OUT.dtype.element_ty), mask=out_mask)
     if STORE_U:
-        tl.store(U + out_offs, u, mask=out_mask)
+        tl.store(U + out_offs, u.to(U.dtype.element_ty), mask=out_mask)
     # in log2 units, as the causal backward reads it: a round trip through ln would move a row that sits exactly on
     # the ReLU's kink (a one-key row at tau = -1: p = 1, p + tau / n = 0) to the other side in the backward
     tl.store(LSE + bh.to(tl.int64) * Tq + start + rows, tl.where(alive, lse2, _DEAD_ROW_LSE), mask=row_mask)
@@ -424,8 +424,8 @@ def _forward(query, key, value, tau, distance_bias, q_pos, k_pos, q_seg, k_seg, 
 def _causal_forward(query, key, value, tau, distance_bias, q_pos, scaling, block_d, store_u=False,
                     documents=None) -> ForwardResult:
     """The causal fast-path forward: `ForwardResult(out [B, Tq, Hq, D], lse [B, Hq, Tq] float32 in log2 units (what
-    `_causal_backward` reads), u)`; `store_u` (training): u is `U_i = sum_j m_ij v_j`, `[B, Tq, Hq, D]` float32, for
-    `_causal_backward`; otherwise None.
+    `_causal_backward` reads), u)`; `store_u` (training): u is `U_i = sum_j m_ij v_j`, `[B, Tq, Hq, D]`, for
+    `_causal_backward`, stored as `out` is (the query dtype: `(tau / n) U` is a term of O); otherwise None.
 
     `documents` (`[R, 3]` int32: batch row, first token, length; `document_table` of lazy_attention_torch): the
     rows hold documents, each its own causal layout at positions 0 .. length - 1 (packed documents, padded rows; Tq
@@ -439,12 +439,12 @@ def _causal_forward(query, key, value, tau, distance_bias, q_pos, scaling, block
     if documents is None:
         out = torch.empty(bsz, q_len, num_heads, dim, dtype=query.dtype, device=query.device)
         lse = torch.empty(bsz, num_heads, q_len, **f32)
-        u = torch.empty(bsz, q_len, num_heads, dim, **f32) if store_u else None
+        u = torch.empty_like(out) if store_u else None
         tiles, grid = lse, (triton.cdiv(q_len, block_m), bsz * num_heads)
     else:
         out = torch.zeros(bsz, q_len, num_heads, dim, dtype=query.dtype, device=query.device)
         lse = torch.full((bsz, num_heads, q_len), DEAD_ROW_LSE, **f32)
-        u = torch.zeros(bsz, q_len, num_heads, dim, **f32) if store_u else None
+        u = torch.zeros_like(out) if store_u else None
         tiles = _varlen_tiles(documents[:, 2], bsz * q_len, block_m)
         grid = (tiles.shape[0], num_heads)
         if tiles.shape[0] == 0:  # nothing but padding

@@ -470,7 +470,7 @@ def causal_forward_stores_u(kernels):
             q_pos, block_d = int32(meta)[0], kernels._check_inputs(query, key)
             out, _, u = kernels._causal_forward(query, key, value, tau, bias, q_pos, scaling, block_d, store_u=True)
             plain = kernels._causal_forward(query, key, value, tau, bias, q_pos, scaling, block_d)
-            assert plain[2] is None and u.dtype == torch.float32, (plain[2], u.dtype)
+            assert plain[2] is None and u.dtype == query.dtype, (plain[2], u.dtype)
             torch.testing.assert_close(out, plain[0], rtol=1e-5, atol=1e-6)
             _, weights = lazy_attention64(query, key, value, tau, bias, *meta, scaling)
             v = value.double().repeat_interleave(query.shape[1] // value.shape[1], dim=1)
