@@ -259,6 +259,8 @@ def lazy_attention_metadata(
         causal = True  # known without looking at the data (and without a host sync under torch.compile)
     elif torch.compiler.is_compiling():
         causal = False  # a data-dependent check would break the graph; the general path is exact
+    elif key_valid is not None:
+        causal = False  # the mask holds a zero (an all-ones mask was dropped above): a padding key no row sees
     elif attention_mask is None and cu_seq_lens is None and past_length > 0:
         # one segment, cached keys at positions 0 .. past - 1: causal iff the new tokens continue them
         causal = bool((q_pos == torch.arange(past_length, key_length, device=device)).all())
