@@ -47,12 +47,13 @@ SIZES = {
                             num_attention_heads=9, num_key_value_heads=3, tie_word_embeddings=True),
                  prefill=[128, 512, 2048], prompts=[128, 1024], new_tokens=64, train=[512, 2048],
                  batch_prompts=[64, 80, 96, 112, 128, 72, 104, 120], packed_train=(2048, [256, 1024, 512, 256]),
+                 padded_train=(512, [512, 384, 320, 320]),
                  decode_contexts=[1024, 4096, 8192], decode_steps=16, smollm2_context=8192),
     "smoke": dict(attn_lengths=[64, 256], heads=4, dim=32, rounds=3, memory_lengths=[256, 1024],
                   model=dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                              num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True),
                   prefill=[32, 128], prompts=[16], new_tokens=8, train=[64],
-                  batch_prompts=[8, 12, 16], packed_train=(64, [16, 48]),
+                  batch_prompts=[8, 12, 16], packed_train=(64, [16, 48]), padded_train=(32, [32, 24, 16]),
                   decode_contexts=[64, 256], decode_steps=4, smollm2_context=None),
 }
 
@@ -219,19 +220,20 @@ def bench_model(size):
                       dict(measure="packed train step", length=length, documents=docs), length,
                       torch.cat([torch.arange(n) for n in docs])[None]))
         for label, fields, length, positions in train if size.get("train_steps", True) else []:
-            r = _train_ratio(lazy, llama, torch.randint(0, vocab, (1, length)), positions,
-                             max(3, size["rounds"] // 2))
+            ids = torch.randint(0, vocab, (1, length))
+            r = _train_ratio(lazy, llama, max(3, size["rounds"] // 2), input_ids=ids, position_ids=positions,
+                             labels=ids)
             print(_row([label, tau_value, _fmt(*r[:3]), f"{1 / r[0]:.2f}x", f"{r[3]:.3f}", f"{r[4]:.3f}"]))
             _record("model", **fields, tau=tau_value, **_raw(r))
 
 
-def _train_ratio(lazy, llama, ids, positions, rounds):
-    """Interleaved ratio of one optimizer step (forward, backward, AdamW) of each model on `ids` (`positions`: the
-    position_ids both models get, None for the plain layout)."""
+def _train_ratio(lazy, llama, rounds, **batch):
+    """Interleaved ratio of one optimizer step (forward, backward, AdamW) of each model on the same `batch` (the
+    forward's keyword arguments, labels included)."""
     optimizers = {model: torch.optim.AdamW(model.parameters(), lr=1e-6) for model in (lazy, llama)}
 
     def step(model):
-        model(ids, position_ids=positions, labels=ids).loss.backward()
+        model(**batch).loss.backward()
         optimizers[model].step()
         optimizers[model].zero_grad(set_to_none=True)
 
@@ -295,6 +297,45 @@ def bench_attention_share(size):
     _record("attention share", prompts=size["batch_prompts"], new_tokens=size["new_tokens"], tau=-1.0,
             generate_s={name: med[name][0] for name in med}, attention_s={name: med[name][1] for name in med},
             attention_ratio={"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios)})
+
+
+def bench_workloads(size):
+    """The workloads of BENCHMARKS.md's "What runs where" table that the model table does not time apart, tau = -1,
+    both models on the same inputs: one optimizer step on a right-padded SFT batch (labels -100 on padding) and on
+    the packed batch as TRL's padding-free collator gives it (`position_ids` restarting per document and
+    `cu_seq_lens_q/k`, no mask), and `generate()` with a static cache (eager)."""
+    print("\n### Workloads: LazyLlama time / LlamaForCausalLM (sdpa) time, tau = -1; tokens/s ratio = 1 / this\n")
+    print(_row(["workload", "path (CPU)", "time ratio (spread)", "tokens/s ratio", "lazy s", "llama s"]))
+    print(_row(["---"] * 6))
+    lazy, llama = _models(size, -1.0)
+    vocab, rounds = size["model"]["vocab_size"], max(3, size["rounds"] // 2)
+    row_length, useful = size["padded_train"]
+    ids = torch.randint(0, vocab, (len(useful), row_length))
+    mask = (torch.arange(row_length) < torch.tensor(useful)[:, None]).long()
+    padded = dict(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100))
+    length, docs = size["packed_train"]
+    ids = torch.randint(0, vocab, (1, length))
+    bounds = torch.tensor([0, *docs]).cumsum(0).to(torch.int32)
+    flat = dict(input_ids=ids, labels=ids, position_ids=torch.cat([torch.arange(n) for n in docs])[None],
+                cu_seq_lens_q=bounds, cu_seq_lens_k=bounds, max_length_q=max(docs), max_length_k=max(docs))
+    prompt = torch.randint(3, vocab, (1, size["prompts"][0]))
+    static = dict(max_new_tokens=size["new_tokens"], min_new_tokens=size["new_tokens"], do_sample=False,
+                  attention_mask=torch.ones_like(prompt), pad_token_id=0, cache_implementation="static")
+    rows = [
+        (f"padded SFT batch, train step ({len(useful)} rows of {row_length}, {1 - sum(useful) / mask.numel():.0%} "
+         "padding)",
+         "causal chunks per row", "padded train step", lambda: _train_ratio(lazy, llama, rounds, **padded)),
+        (f"TRL padding-free batch, train step ({len(docs)} documents, {length} tokens, cu_seq_lens)",
+         "causal chunks per document", "padding-free train step", lambda: _train_ratio(lazy, llama, rounds, **flat)),
+        (f"generate {size['new_tokens']} after {prompt.shape[1]}, static cache (eager)",
+         "the op cuts the buffer to its written keys: native decode", "generate static cache",
+         lambda: interleaved_ratio(lambda: lazy.generate(prompt, **static), lambda: llama.generate(prompt, **static),
+                                   size["rounds"])),
+    ]
+    for label, path, measure, run in rows if size.get("train_steps", True) else rows[2:]:
+        r = run()
+        print(_row([label, path, _fmt(*r[:3]), f"{1 / r[0]:.2f}x", f"{r[3]:.3f}", f"{r[4]:.3f}"]))
+        _record("workloads", measure=measure, label=label, tau=-1.0, **_raw(r))
 
 
 class InPlaceLayer(DynamicLayer):
@@ -417,7 +458,8 @@ def bench_smollm2(size):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--smoke", action="store_true", help="tiny sizes (seconds), for CI")
-    parser.add_argument("--only", default="attention,memory,model,decode,smollm2,share", help="comma-separated subset")
+    parser.add_argument("--only", default="attention,memory,model,workloads,decode,smollm2,share",
+                        help="comma-separated subset")
     parser.add_argument("--no-train", action="store_true", help="skip the training-step rows of `model`")
     parser.add_argument("--json", help="also write every row as raw data to this file")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
@@ -434,7 +476,7 @@ def main(argv=None):
                f"transformers {transformers.__version__}, python {platform.python_version()}")
     print(f"machine: {machine}")
     benches = {"attention": bench_attention, "memory": bench_memory, "model": bench_model, "decode": bench_decode,
-               "smollm2": bench_smollm2, "share": bench_attention_share}
+               "smollm2": bench_smollm2, "share": bench_attention_share, "workloads": bench_workloads}
     from lazy_llama_tools.replicate import code_version
 
     code = code_version()  # the git commit measured (and uncommitted files), taken before anything runs

@@ -17,11 +17,11 @@ def test_cpu_benchmarks_smoke():
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     text = out.stdout
-    for heading in ("Attention op", "Peak extra RSS", "Model:", "the attention calls' share"):
+    for heading in ("Attention op", "Peak extra RSS", "Model:", "Workloads:", "the attention calls' share"):
         assert heading in text, heading
     ratios = [float(x) for x in re.findall(r"\| ([0-9.]+)x \(", text)]
     assert len(ratios) >= 4 + 8 and all(math.isfinite(r) and r > 0 for r in ratios)
-    for measure in ("prefill", "generate", "train step"):
+    for measure in ("prefill", "generate", "train step", "padded SFT batch", "TRL padding-free", "static cache"):
         assert measure in text
     shares = [float(x) for x in re.findall(r"\| (?:lazy|llama) \| [0-9.]+ \| [0-9.]+ \| ([0-9.]+)% \|", text)]
     assert len(shares) == 2 and all(0 < share < 100 for share in shares), text
