@@ -303,7 +303,8 @@ def bench_workloads(size):
     """The workloads of BENCHMARKS.md's "What runs where" table that the model table does not time apart, tau = -1,
     both models on the same inputs: one optimizer step on a right-padded SFT batch (labels -100 on padding) and on
     the packed batch as TRL's padding-free collator gives it (`position_ids` restarting per document and
-    `cu_seq_lens_q/k`, no mask), and `generate()` with a static cache (eager)."""
+    `cu_seq_lens_q/k`, no mask), `generate()` with a static cache (eager, and compiled through `compile_config`), and
+    a prefill of `torch.compile`d models (inductor; the first, compiling call is the warm-up)."""
     print("\n### Workloads: LazyLlama time / LlamaForCausalLM (sdpa) time, tau = -1; tokens/s ratio = 1 / this\n")
     print(_row(["workload", "path (CPU)", "time ratio (spread)", "tokens/s ratio", "lazy s", "llama s"]))
     print(_row(["---"] * 6))
@@ -321,6 +322,15 @@ def bench_workloads(size):
     prompt = torch.randint(3, vocab, (1, size["prompts"][0]))
     static = dict(max_new_tokens=size["new_tokens"], min_new_tokens=size["new_tokens"], do_sample=False,
                   attention_mask=torch.ones_like(prompt), pad_token_id=0, cache_implementation="static")
+    compile_config = transformers.CompileConfig(fullgraph=True)
+    compile_config._compile_all_devices = True  # transformers' flag for compiling on CPU (LazyLlama sets it itself)
+    compiled_static = dict(static, compile_config=compile_config)
+    prefill = torch.randint(0, vocab, (1, size["prefill"][1]))
+    compiled = {model: torch.compile(model) for model in (lazy, llama)}
+
+    def compiled_prefill(model):
+        with torch.no_grad():
+            compiled[model](prefill, logits_to_keep=1)
     rows = [
         (f"padded SFT batch, train step ({len(useful)} rows of {row_length}, {1 - sum(useful) / mask.numel():.0%} "
          "padding)",
@@ -331,6 +341,13 @@ def bench_workloads(size):
          "the op cuts the buffer to its written keys: native decode", "generate static cache",
          lambda: interleaved_ratio(lambda: lazy.generate(prompt, **static), lambda: llama.generate(prompt, **static),
                                    size["rounds"])),
+        (f"generate {size['new_tokens']} after {prompt.shape[1]}, static cache, compiled (compile_config)",
+         "inside the operator, the buffer cut to its written keys: native decode", "generate static cache compiled",
+         lambda: interleaved_ratio(lambda: lazy.generate(prompt, **compiled_static),
+                                   lambda: llama.generate(prompt, **compiled_static), size["rounds"])),
+        (f"prefill L={prefill.shape[1]}, torch.compile (inductor)", "the op layer's operators: the chunked prefill",
+         "prefill compiled", lambda: interleaved_ratio(lambda: compiled_prefill(lazy), lambda: compiled_prefill(llama),
+                                                       size["rounds"])),
     ]
     for label, path, measure, run in rows if size.get("train_steps", True) else rows[2:]:
         r = run()
