@@ -319,8 +319,8 @@ def _triton_attention_fake(query, key, value, tau, distance_bias, q_pos, k_pos, 
     bsz, num_heads, q_len, dim = query.shape
     f32 = dict(dtype=torch.float32, device=query.device)
     fast = documents is not None or (causal and q_len > DECODE_MAX_ROWS)
-    u = (bsz, q_len, num_heads, dim) if store_u and fast else (0,)
-    return query.new_empty(bsz, q_len, num_heads, dim), torch.empty(bsz, num_heads, q_len, **f32), torch.empty(u, **f32)
+    u = query.new_empty(bsz, q_len, num_heads, dim) if store_u and fast else torch.empty(0, **f32)  # U: as out
+    return query.new_empty(bsz, q_len, num_heads, dim), torch.empty(bsz, num_heads, q_len, **f32), u
 
 
 def _triton_attention_backward_fake(grad_out, query, key, value, tau, distance_bias, q_pos, k_pos, q_seg, k_seg, lse,

@@ -303,7 +303,9 @@ q, k, v = torch.randn(1, H, 20, D), torch.randn(1, HKV, 20, D), torch.randn(1, H
 meta = LazyMetadata.from_mask(query_length=20)
 positions = (meta.q_pos32, meta.k_pos32, meta.q_seg, meta.k_seg)
 checks = {"triton_attention": [(q, k, v, torch.randn(H), torch.randn(H, W), *positions, causal, store, 0.25)
-                               for causal, store in ((True, True), (True, False), (False, False))],
+                               for causal, store in ((True, True), (True, False), (False, False))]
+                              + [(q.bfloat16(), k.bfloat16(), v.bfloat16(), torch.randn(H), torch.randn(H, W),
+                                  *positions, True, True, 0.25)],  # U is stored in the input dtype
           "triton_decode": [(q[:, :, -2:], k, v, torch.randn(H), torch.randn(H, W), meta.q_pos32[:, -2:],
                              torch.full((1,), 20, dtype=torch.int32), 0.25),
                             (q[:, :, -2:], k, v, torch.randn(H), torch.randn(H, W), meta.q_pos32[:, -2:],
