@@ -509,12 +509,13 @@ def _with_gradient_buffer(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _backward(grad_out, query, key, value, tau, distance_bias, q_pos, k_pos, q_seg, k_seg, lse, scaling,
-              causal=False, out=None, u=None, documents=None) -> BackwardResult:
+              causal=False, out=None, u=None, documents=None, padded=True) -> BackwardResult:
     """Launch Delta (with d tau partials), dq, then dk/dv (with d distance_bias partials); no atomics across programs.
 
     `causal` (the metadata's plain causal layout) runs the causal fast path for query lengths > 16, as the forward
     does; it needs the forward's `out` and `u` (`_causal_forward(..., store_u=True)`); so does `documents` (the
-    forward's document table: the causal fast path per document).
+    forward's document table: the causal fast path per document; `padded=False`: every token is in a document, so
+    the gradients need no zero fill first).
     Returns `BackwardResult(dq, dk, dv, d_tau [Hq] float32, d_bias [Hq, W] float32)`."""
     block_d = _check_inputs(query, key)
     bsz, num_heads, q_len, dim = query.shape
@@ -525,7 +526,7 @@ def _backward(grad_out, query, key, value, tau, distance_bias, q_pos, k_pos, q_s
         if out is None or u is None:
             raise ValueError("the causal fast-path backward needs the forward's out and U (store_u=True)")
         return _causal_backward(grad_out, query, key, value, dq, dk, dv, tau, distance_bias, q_pos, q_seg, lse,
-                                scaling, block_d, out, u, documents)
+                                scaling, block_d, out, u, documents, padded)
     groups = num_heads // kv_heads
     tau32 = tau.detach().to(torch.float32).contiguous()
     bias32 = distance_bias.detach().to(torch.float32).contiguous()
@@ -557,14 +558,15 @@ def _backward(grad_out, query, key, value, tau, distance_bias, q_pos, k_pos, q_s
 
 
 def _causal_backward(grad_out, query, key, value, dq, dk, dv, tau, distance_bias, q_pos, q_seg, lse, scaling,
-                     block_d, out, u, documents=None) -> BackwardResult:
+                     block_d, out, u, documents=None, padded=True) -> BackwardResult:
     """The causal fast-path backward (after `_causal_forward` with `store_u`: its `out` and `u`, and its `documents`
     table if any): Delta from U, dq, dk/dv; `_backward`'s results. With documents, tokens of no document get zero
-    gradients."""
+    gradients (`padded=False`: there are none, and the kernels write every row without a fill first)."""
+    padded = documents is not None and padded
     bsz, num_heads, q_len, dim = query.shape
     kv_heads, k_len, window = key.shape[1], key.shape[2], distance_bias.shape[-1]
     tau32 = tau.detach().to(torch.float32).contiguous()
-    if documents is not None:  # padding is never written by the per-document kernels
+    if padded:  # padding is never written by the per-document kernels
         for grad in (dq, dk, dv):
             grad.zero_()
     common = dict(Q=query, K=key, V=value, LSE=lse, DO=grad_out,
@@ -606,7 +608,7 @@ def _causal_backward(grad_out, query, key, value, dq, dk, dv, tau, distance_bias
            QSEG=q_seg, DELTA=delta, DQ=dq,
            DBIAS_PART=dbias_part, scaling=scaling)
     groups = num_heads // kv_heads  # with GQA: float32 terms per query head, summed over each group below
-    make = torch.empty if documents is None else torch.zeros
+    make = torch.zeros if padded else torch.empty
     dk_out, dv_out = (dk, dv) if groups == 1 else (
         make(bsz, num_heads, k_len, dim, dtype=torch.float32, device=query.device) for _ in range(2))
     launch(_lazy_causal_bwd_dkdv_kernel, "causal_dkdv" if documents is None else "causal_dkdv_documents",

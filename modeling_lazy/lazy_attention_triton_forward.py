@@ -422,14 +422,15 @@ def _forward(query, key, value, tau, distance_bias, q_pos, k_pos, q_seg, k_seg, 
 
 
 def _causal_forward(query, key, value, tau, distance_bias, q_pos, scaling, block_d, store_u=False,
-                    documents=None) -> ForwardResult:
+                    documents=None, padded=True) -> ForwardResult:
     """The causal fast-path forward: `ForwardResult(out [B, Tq, Hq, D], lse [B, Hq, Tq] float32 in log2 units (what
     `_causal_backward` reads), u)`; `store_u` (training): u is `U_i = sum_j m_ij v_j`, `[B, Tq, Hq, D]`, for
     `_causal_backward`, stored as `out` is (the query dtype: `(tau / n) U` is a term of O); otherwise None.
 
     `documents` (`[R, 3]` int32: batch row, first token, length; `document_table` of lazy_attention_torch): the
     rows hold documents, each its own causal layout at positions 0 .. length - 1 (packed documents, padded rows; Tq
-    = Tk); tokens of no document (padding) get out 0, u 0 and the dead-row LSE."""
+    = Tk); tokens of no document (padding) get out 0, u 0 and the dead-row LSE. `padded=False` (the caller knows that
+    every token is in a document) skips filling the outputs first: the kernel writes every row."""
     bsz, num_heads, q_len, dim = query.shape
     kv_heads, k_len = key.shape[1], key.shape[2]
     kind = "causal_fwd_u" if store_u else "causal_fwd"
@@ -442,9 +443,11 @@ def _causal_forward(query, key, value, tau, distance_bias, q_pos, scaling, block
         u = torch.empty_like(out) if store_u else None
         tiles, grid = lse, (triton.cdiv(q_len, block_m), bsz * num_heads)
     else:
-        out = torch.zeros(bsz, q_len, num_heads, dim, dtype=query.dtype, device=query.device)
-        lse = torch.full((bsz, num_heads, q_len), DEAD_ROW_LSE, **f32)
-        u = torch.zeros_like(out) if store_u else None
+        fill = torch.zeros if padded else torch.empty
+        out = fill(bsz, q_len, num_heads, dim, dtype=query.dtype, device=query.device)
+        lse = torch.full((bsz, num_heads, q_len), DEAD_ROW_LSE, **f32) if padded else torch.empty(
+            bsz, num_heads, q_len, **f32)
+        u = fill(out.shape, dtype=out.dtype, device=out.device) if store_u else None
         tiles = _varlen_tiles(documents[:, 2], bsz * q_len, block_m)
         grid = (tiles.shape[0], num_heads)
         if tiles.shape[0] == 0:  # nothing but padding
