@@ -693,11 +693,22 @@ def problem_work(spec: KernelSpec, problem: Problem, blocks: tuple, sms: int) ->
 LAUNCH_S = 2.5e-6  # charged per kernel launch (and per device op a launcher adds), so that launch-bound decode shows
 
 
+def _padding_fills(impl: str, problem: Problem) -> tuple[int, int]:
+    """`(bytes, launches)` of the zero fills the per-document launchers run when some token is in no document
+    (padding): the forward's out and U (bf16) and LSE (float32), the backward's dq, dk and dv (bf16; MHA). Packed
+    documents alone need none (the kernels write every row)."""
+    padded = bool(problem.documents) and sum(problem.documents) < problem.batch * problem.length
+    if impl != "lazy (per document)" or not padded:
+        return 0, 0
+    tokens = problem.batch * problem.length * problem.heads
+    return 5 * 2 * tokens * problem.dim + 4 * tokens, 6
+
+
 def launches(impl: str, scenario: str, problem: Problem, arch: int) -> int:
     """Launches of one scenario: its kernels, plus what their launchers add. The packed decode sums its split-K
     partials into the output (one reduction) when it splits; the FA2-style decode is FlashDecoding's split kernel
-    plus its combine (1)."""
-    count = len(SCENARIOS[impl][scenario])
+    plus its combine (1); padded rows per document, the zero fills (`_padding_fills`)."""
+    count = len(SCENARIOS[impl][scenario]) + _padding_fills(impl, problem)[1]
     if scenario == "decode" and impl == "lazy (causal fast path)":
         spec = IMPLEMENTATIONS[impl]["decode_lse"]
         count += _packed_decode_plan(problem, blocks_of(spec, arch, problem.dim)[:2], MACHINES[arch].sms)[1] > 1
@@ -708,6 +719,7 @@ def launches(impl: str, scenario: str, problem: Problem, arch: int) -> int:
 
 def scenario_time(impl: str, scenario: str, codes: dict, problem: Problem, arch: int) -> float:
     total = LAUNCH_S * launches(impl, scenario, problem, arch)
+    total += _padding_fills(impl, problem)[0] / MACHINES[arch].dram_bytes_per_s
     for key in SCENARIOS[impl][scenario]:
         spec = IMPLEMENTATIONS[impl][key]
         block_m, block_n, _, _ = blocks_of(spec, arch, problem.dim)
