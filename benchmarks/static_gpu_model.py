@@ -577,7 +577,7 @@ LAZY_FAST = {
     "dkdv": KernelSpec("lazy bwd dk/dv (causal)", "lazy", "_lazy_causal_bwd_dkdv_kernel", "causal_dkdv",
                        _lazy_causal_dkdv_work),
 }
-LAZY_DOCUMENTS = {  # the causal fast path per document: its kernels' DOCUMENTS builds (Delta over every row)
+LAZY_DOCUMENTS = {  # the causal fast path per document: its kernels' DOCUMENTS builds
     "fwd_u": KernelSpec("lazy fwd + U (per document)", "lazy", "_lazy_causal_fwd_kernel", "causal_fwd_u",
                         partial(_lazy_causal_fwd_work, store_u=True), documents=True),
     "delta": KernelSpec("lazy bwd Delta from U (per document)", "lazy", "_lazy_causal_bwd_delta_kernel",

@@ -445,8 +445,9 @@ def _causal_forward(query, key, value, tau, distance_bias, q_pos, scaling, block
     else:
         fill = torch.zeros if padded else torch.empty
         out = fill(bsz, q_len, num_heads, dim, dtype=query.dtype, device=query.device)
-        lse = torch.full((bsz, num_heads, q_len), DEAD_ROW_LSE, **f32) if padded else torch.empty(
-            bsz, num_heads, q_len, **f32)
+        lse = torch.empty(bsz, num_heads, q_len, **f32)
+        if padded:
+            lse.fill_(DEAD_ROW_LSE)
         u = fill(out.shape, dtype=out.dtype, device=out.device) if store_u else None
         tiles = _varlen_tiles(documents[:, 2], bsz * q_len, block_m)
         grid = (tiles.shape[0], num_heads)
