@@ -426,9 +426,23 @@ def _causal_dkdv_tiles(dk, dv, k, v, Q, DO, THR, LSE, DELTA, band, n0, lo, hi, T
         threshold = tl.load(THR + rows, mask=rows < Tq, other=-1.0e30)[None, :]
         p, alive = _causal_bwd_tile(k, q, band + start_m, n0, diagonal, keys[:, None] <= (rows + offset)[None, :],
                                     lse[None, :], threshold, scale_log2, BIAS, DIAGONAL, UPCAST, PRECISION)
-        dv = _dot(tl.where(alive, p + threshold, 0.0).to(do.dtype), do, UPCAST, PRECISION, dv)
-        dp = tl.where(alive, _dot(v, tl.trans(do), UPCAST, PRECISION), 0.0)
-        dk = _dot((p * (dp - tl.load(DELTA + rows_in)[None, :])).to(q.dtype), q, UPCAST, PRECISION, dk)
+        a = tl.maximum(p + threshold, 0.0)
+        if DIAGONAL:
+            a = tl.where(alive, a, 0.0)
+        dv = _dot(a.to(do.dtype), do, UPCAST, PRECISION, dv)
+        # dS = p (m dP - Delta). A boolean m kept across the dP product is packed into predicate bits and unpacked
+        # again, per score element; instead the factors are formed before it: m p and p Delta where registers allow
+        # (D <= 64), else p signed by m (sign(p) = m; p = 0 gives dS = 0 either way)
+        if BLOCK_D <= 64:
+            p_live = tl.where(alive, p, 0.0)
+            p_delta = p * tl.load(DELTA + rows_in)[None, :]
+            dp = _dot(v, tl.trans(do), UPCAST, PRECISION)
+            ds = p_live * dp - p_delta
+        else:
+            p_signed = tl.where(alive, p, -p)
+            dp = _dot(v, tl.trans(do), UPCAST, PRECISION)
+            ds = tl.abs(p_signed) * (tl.where(p_signed > 0.0, dp, 0.0) - tl.load(DELTA + rows_in)[None, :])
+        dk = _dot(ds.to(q.dtype), q, UPCAST, PRECISION, dk)
     return dk, dv
 
 

@@ -86,9 +86,9 @@ _CONFIGS = {
         ("causal_delta", 128): (32, 0, 4, 1),
         ("causal_dq", 64): (128, 64, 8, 2),
         ("causal_dq", 128): (64, 32, 4, 2),
-        ("causal_dkdv", 64): (32, 64, 4, 2),
+        ("causal_dkdv", 64): (64, 128, 8, 2),
         ("causal_dkdv", 128): (32, 128, 8, 2),
-        ("causal_dkdv_documents", 64): (32, 64, 4, 2),
+        ("causal_dkdv_documents", 64): (64, 128, 8, 2),
         ("causal_dkdv_documents", 128): (32, 128, 8, 2),
     },
     "sm80": {
