@@ -408,13 +408,14 @@ def _lazy_causal_fwd_work(p: Problem, blocks, sms, store_u: bool = False):
 def _lazy_causal_delta_work(p: Problem, blocks, sms):
     """Causal Delta from U: one query tile per program, no key loop; reads O, dO and U (bf16) of every row, or with
     `documents` of the rows in a document (QSEG, read for every token, says which), and the LSE; writes Delta and
-    the threshold."""
+    the threshold, and with documents the padding's zero dq, dk and dv (bf16; MHA)."""
     bm, _ = blocks
     rows = p.batch * p.length
     useful = sum(p.documents) if p.documents else rows
     per_token = 4 * (2 if p.documents else 1)  # QPOS (and QSEG)
+    zeros = 3 * 2 * (rows - useful) * p.dim
     return Work(p.batch * p.heads * _cdiv(p.length, bm), [],
-                p.heads * ((2 + 2 + 2) * useful * p.dim + (4 + 4 + 4) * rows) + per_token * rows, (bm, p.dim))
+                p.heads * ((2 + 2 + 2) * useful * p.dim + (4 + 4 + 4) * rows + zeros) + per_token * rows, (bm, p.dim))
 
 
 def _lazy_causal_bwd_query_work(p: Problem, blocks, sms, writes_dq: bool):
@@ -672,43 +673,54 @@ def kernel_time(code: KernelCode, work: Work, arch: int) -> dict:
             "bound": "dram" if dram_s > compute_s else "compute"}
 
 
+def padding_runs(p: Problem) -> list:
+    """Lengths of the runs of padding of `p`'s rows when its documents fill them in order (a document that does not
+    fit in what is left of a row starts the next one); none without documents."""
+    if not p.documents:
+        return []
+    runs, used, rows = [], 0, 1
+    for n in p.documents:
+        if used + n > p.length:
+            runs += [p.length - used] if used < p.length else []
+            used, rows = 0, rows + 1
+        used += n
+    runs += [p.length - used] if used < p.length else []
+    return runs + [p.length] * (p.batch - rows)
+
+
 def problem_work(spec: KernelSpec, problem: Problem, blocks: tuple, sms: int) -> Work:
     """`spec`'s work for `problem`. With documents: a DOCUMENTS build does each document's causal work, plus the
-    spare programs of its upper-bound work list (`_varlen_tiles`: prologue only); an FA2-style kernel does the same
-    per-document work (what a varlen FlashAttention-2 does: the yardstick on the useful tokens); any other Lazy
-    kernel (the Delta from U) runs over every row, padding included."""
-    if not problem.documents or (spec.source == "lazy" and not spec.documents):
+    spare programs of its upper-bound work list (`_varlen_tiles`: prologue only) over the document table (the
+    documents, then the runs of padding); the forward's work list also holds the padding's tiles, which write its
+    zeros (charged as spare programs plus their bytes); an FA2-style kernel does the same per-document work (what a
+    varlen FlashAttention-2 does: the yardstick on the useful tokens); the Delta from U runs over every row,
+    padding included (where it writes the padding's zero gradients)."""
+    if not problem.documents or spec.kind == "causal_delta" or (spec.source == "lazy" and not spec.documents):
         return spec.work(problem, blocks, sms)
     works = [spec.work(replace(problem, batch=1, length=n, documents=()), blocks, sms) for n in problem.documents]
     programs = sum(w.programs for w in works)
+    dram_bytes = sum(w.dram_bytes for w in works)
     if spec.documents:
         rows = blocks[1] if spec.kind.startswith("causal_dkdv") else blocks[0]  # the work list's tile height
-        tiles = sum(_cdiv(n, rows) for n in problem.documents)
-        upper = (problem.batch * problem.length + len(problem.documents) * (rows - 1)) // rows
-        programs += problem.heads * (upper - tiles)
+        padding = padding_runs(problem)
+        if spec.kind.startswith("causal_fwd"):  # out and U (bf16) 0, the dead-row LSE (float32)
+            per_token = 2 * problem.dim * (2 if spec.kind == "causal_fwd_u" else 1) + 4
+            dram_bytes += problem.heads * sum(padding) * per_token
+        entries = len(problem.documents) + len(padding)
+        upper = (problem.batch * problem.length + entries * (rows - 1)) // rows
+        programs += problem.heads * (upper - sum(_cdiv(n, rows) for n in problem.documents))  # spares, padding
     iterations = [sum(w.iterations[i] for w in works) for i in range(len(works[0].iterations))]
-    return Work(programs, iterations, sum(w.dram_bytes for w in works), works[0].tile)
+    return Work(programs, iterations, dram_bytes, works[0].tile)
 
 
 LAUNCH_S = 2.5e-6  # charged per kernel launch (and per device op a launcher adds), so that launch-bound decode shows
 
 
-def _padding_fills(impl: str, problem: Problem) -> tuple[int, int]:
-    """`(bytes, launches)` of the zero fills the per-document launchers run when some token is in no document
-    (padding): the forward's out and U (bf16) and LSE (float32), the backward's dq, dk and dv (bf16; MHA). Packed
-    documents alone need none (the kernels write every row)."""
-    padded = bool(problem.documents) and sum(problem.documents) < problem.batch * problem.length
-    if impl != "lazy (per document)" or not padded:
-        return 0, 0
-    tokens = problem.batch * problem.length * problem.heads
-    return 5 * 2 * tokens * problem.dim + 4 * tokens, 6
-
-
 def launches(impl: str, scenario: str, problem: Problem, arch: int) -> int:
     """Launches of one scenario: its kernels, plus what their launchers add. The packed decode sums its split-K
     partials into the output (one reduction) when it splits; the FA2-style decode is FlashDecoding's split kernel
-    plus its combine (1); padded rows per document, the zero fills (`_padding_fills`)."""
-    count = len(SCENARIOS[impl][scenario]) + _padding_fills(impl, problem)[1]
+    plus its combine (1)."""
+    count = len(SCENARIOS[impl][scenario])
     if scenario == "decode" and impl == "lazy (causal fast path)":
         spec = IMPLEMENTATIONS[impl]["decode_lse"]
         count += _packed_decode_plan(problem, blocks_of(spec, arch, problem.dim)[:2], MACHINES[arch].sms)[1] > 1
@@ -719,7 +731,6 @@ def launches(impl: str, scenario: str, problem: Problem, arch: int) -> int:
 
 def scenario_time(impl: str, scenario: str, codes: dict, problem: Problem, arch: int) -> float:
     total = LAUNCH_S * launches(impl, scenario, problem, arch)
-    total += _padding_fills(impl, problem)[0] / MACHINES[arch].dram_bytes_per_s
     for key in SCENARIOS[impl][scenario]:
         spec = IMPLEMENTATIONS[impl][key]
         block_m, block_n, _, _ = blocks_of(spec, arch, problem.dim)

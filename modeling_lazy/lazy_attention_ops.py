@@ -36,7 +36,6 @@ import torch
 from .lazy_attention_cpu import decode_supported
 from .lazy_attention_reference import DECODE_MAX_ROWS, LazyMetadata, _is_causal_layout, environment_setting
 from .lazy_attention_torch import (
-    _document_runs,
     _parameter_fact,
     document_table,
     left_padding,
@@ -247,16 +246,15 @@ def _torch_autograd(ctx, grad_out, _grad_lse):
 def _triton_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, tau: torch.Tensor,
                       distance_bias: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor, q_seg: torch.Tensor,
                       k_seg: torch.Tensor, causal: bool, store_u: bool, scaling: float,
-                      documents: torch.Tensor | None = None, padded: bool = True
-                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                      documents: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`(out [B, Tq, Hq, D], lse [B, Hq, Tq] float32, u)`: `causal` (the plain causal layout) runs the causal fast
     path (`u` = its U when `store_u`, for the backward; `tl.dot` needs 16 rows, so <= 16 rows run the packed decode,
-    whose backward is the general one), `documents` (`document_table`) the causal fast path per document (`padded`:
-    some tokens are in no document, and get zeros), otherwise the general kernel (key offset `Tk - Tq`); u is `[0]`
+    whose backward is the general one), `documents` (`document_table`) the causal fast path per document (its runs of
+    padding get zeros), otherwise the general kernel (key offset `Tk - Tq`); u is `[0]`
     when not stored."""
     if documents is not None:
         out, lse, u = _causal_forward(query, key, value, tau, distance_bias, q_pos, scaling,
-                                      _check_inputs(query, key), store_u, documents, padded)
+                                      _check_inputs(query, key), store_u, documents)
     elif causal and query.shape[2] > DECODE_MAX_ROWS:
         out, lse, u = _causal_forward(query, key, value, tau, distance_bias, q_pos, scaling,
                                       _check_inputs(query, key), store_u)
@@ -271,28 +269,26 @@ def _triton_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
 def _triton_attention_backward(grad_out: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                                tau: torch.Tensor, distance_bias: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
                                q_seg: torch.Tensor, k_seg: torch.Tensor, lse: torch.Tensor, out: torch.Tensor,
-                               u: torch.Tensor, causal: bool, scaling: float, documents: torch.Tensor | None = None,
-                               padded: bool = True
+                               u: torch.Tensor, causal: bool, scaling: float, documents: torch.Tensor | None = None
                                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     dq, dk, dv, d_tau, d_bias = _backward(grad_out, query, key, value, tau, distance_bias, q_pos, k_pos, q_seg, k_seg,
-                                          lse, scaling, causal=causal, out=out, u=u, documents=documents,
-                                          padded=padded)
+                                          lse, scaling, causal=causal, out=out, u=u, documents=documents)
     return dq, dk, dv, d_tau.to(tau.dtype), d_bias.to(distance_bias.dtype)
 
 
 def _triton_setup_context(ctx, inputs, output):
-    query, key, value, tau, distance_bias, q_pos, k_pos, q_seg, k_seg, causal, _, scaling, documents, padded = inputs
+    query, key, value, tau, distance_bias, q_pos, k_pos, q_seg, k_seg, causal, _, scaling, documents = inputs
     out, lse, u = output
     ctx.save_for_backward(query, key, value, tau, distance_bias, q_pos, k_pos, q_seg, k_seg, lse, out, u, documents)
-    ctx.causal, ctx.scaling, ctx.padded = causal, scaling, padded
+    ctx.causal, ctx.scaling = causal, scaling
 
 
 def _triton_autograd(ctx, grad_out, _grad_lse, _grad_u):
     query, key, value, tau, distance_bias, q_pos, k_pos, q_seg, k_seg, lse, out, u, documents = ctx.saved_tensors
     grads = torch.ops.lazy_llama.triton_attention_backward(grad_out, query, key, value, tau, distance_bias, q_pos,
                                                            k_pos, q_seg, k_seg, lse, out, u, ctx.causal, ctx.scaling,
-                                                           documents, ctx.padded)
-    return (*grads, None, None, None, None, None, None, None, None, None)
+                                                           documents)
+    return (*grads, None, None, None, None, None, None, None, None)
 
 
 def _triton_decode(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, tau: torch.Tensor,
@@ -320,7 +316,7 @@ def _key_lengths(metadata: LazyMetadata, batch: int, k_len: int, device: torch.d
 
 
 def _triton_attention_fake(query, key, value, tau, distance_bias, q_pos, k_pos, q_seg, k_seg, causal, store_u,
-                           scaling, documents=None, padded=True):
+                           scaling, documents=None):
     bsz, num_heads, q_len, dim = query.shape
     f32 = dict(dtype=torch.float32, device=query.device)
     fast = documents is not None or (causal and q_len > DECODE_MAX_ROWS)
@@ -329,7 +325,7 @@ def _triton_attention_fake(query, key, value, tau, distance_bias, q_pos, k_pos, 
 
 
 def _triton_attention_backward_fake(grad_out, query, key, value, tau, distance_bias, q_pos, k_pos, q_seg, k_seg, lse,
-                                    out, u, causal, scaling, documents=None, padded=True):
+                                    out, u, causal, scaling, documents=None):
     return (torch.empty_like(query), torch.empty_like(key), torch.empty_like(value), torch.empty_like(tau),
             torch.empty_like(distance_bias))
 
@@ -424,10 +420,9 @@ def lazy_attention(query, key, value, tau, distance_bias, metadata: LazyMetadata
         return torch.ops.lazy_llama.triton_decode(query, key, value, tau, distance_bias, q_pos,
                                                   _key_lengths(metadata, query.shape[0], key.shape[2], query.device),
                                                   scaling, None, metadata.q_seg, metadata.k_seg, k_pos)
-    padded = documents is not None and _document_runs(metadata)[1]  # some token in no document: zero-filled
     return torch.ops.lazy_llama.triton_attention(query, key, value, tau, distance_bias, q_pos, k_pos, metadata.q_seg,
                                                  metadata.k_seg, kernel == "triton_causal", needs_grad, scaling,
-                                                 documents, padded)[0]
+                                                 documents)[0]
 
 
 __all__ = ["BACKEND_ENV", "choose_kernel", "lazy_attention", "uses_triton"]

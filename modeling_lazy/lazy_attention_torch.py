@@ -362,15 +362,23 @@ def _document_runs(metadata: LazyMetadata) -> tuple[list[tuple[int, int, int]], 
 
 
 def document_table(metadata: LazyMetadata) -> torch.Tensor | None:
-    """`[R, 3]` int32 on the metadata's device, one row `(batch row, first token, length)` per document of
-    `_document_runs` (the Triton kernels' per-document causal path), or None for any other layout. Computed once
-    per forward."""
+    """`[R, 3]` int32 on the metadata's device for the Triton kernels' per-document causal path: one row `(batch
+    row, first token, length)` per document of `_document_runs`, then one `(batch row, first token, -length)` per
+    run of padding between them (so that the kernels write every token: zeros there); None for any other layout.
+    Computed once per forward."""
     runs = _document_runs(metadata)
     if runs is None:
         return None
 
     def build():
         rows = [(b, s, e - s) for b, s, e in runs[0]]
+        bsz, length = metadata.k_seg.shape
+        ends = [0] * bsz  # per batch row: where its last document so far ended
+        for b, s, e in runs[0]:  # in row-major order
+            if s > ends[b]:
+                rows.append((b, ends[b], ends[b] - s))
+            ends[b] = e
+        rows += [(b, end, end - length) for b, end in enumerate(ends) if end < length]
         return torch.tensor(rows, dtype=torch.int32).reshape(-1, 3).to(metadata.k_seg.device)
 
     return _parameter_fact(metadata.k_seg, ("document_table", id(metadata.q_pos), id(metadata.k_pos)), build)

@@ -303,8 +303,9 @@ def _causal_bwd_query_tiles(q, do, lse2, threshold, delta, acc, K, V, stride_kt,
 
 
 @triton.jit
-def _lazy_causal_bwd_delta_kernel(OUT, U, DO, TAU, QPOS, QSEG, LSE, DELTA, THR, DTAU_PART, stride_ob, stride_oh,
-                                  stride_ot, stride_dob, stride_doh, stride_dot, Hq, Tq, BLOCK_M: tl.constexpr,
+def _lazy_causal_bwd_delta_kernel(OUT, U, DO, TAU, QPOS, QSEG, LSE, DELTA, THR, DTAU_PART, DQ, DK, DV, stride_ob,
+                                  stride_oh, stride_ot, stride_dob, stride_doh, stride_dot, stride_qb, stride_qh,
+                                  stride_qt, stride_dkb, stride_dkh, stride_dkt, Hq, Tq, BLOCK_M: tl.constexpr,
                                   BLOCK_D: tl.constexpr, D: tl.constexpr, DOCUMENTS: tl.constexpr = False):
     """Causal fast path's Delta from the forward's U (the U identity, docs/design.md): with t_i = tau_h / n_i,
     `Delta_i = dO_i . (O_i - t_i U_i)` (= sum_j m p dP) and the tile's d tau partial `sum_i dO_i . U_i / n_i`
@@ -312,7 +313,9 @@ def _lazy_causal_bwd_delta_kernel(OUT, U, DO, TAU, QPOS, QSEG, LSE, DELTA, THR, 
     keys. O and U are read as stored (the input dtype, as FlashAttention's rowsum(dO * O) reads O). Also
     each row's threshold THR `[B, Hq, Tq]` (`_row_threshold`, the forward's: -1e30 for a dead row), which the dk/dv
     kernel reads instead of dividing in every tile. Grid (cdiv(Tq, BM), B * Hq). `DOCUMENTS`: rows of no document
-    (QSEG < 0: padding, whose O and U the forward left 0) read no O, U or dO (their Delta and d tau terms are 0)."""
+    (QSEG < 0: padding, whose O and U the forward wrote 0) read no O, U or dO (their Delta and d tau terms are 0),
+    and get their gradients here: 0 into DQ (the query's strides, `stride_q*`), DK and DV (`[B, Hq, Tk = Tq, D]`,
+    strides `stride_dk*`: the dk/dv kernel's outputs), which the dq and dk/dv kernels' work lists leave out."""
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = (pid_bh // Hq).to(tl.int64)
@@ -323,6 +326,12 @@ def _lazy_causal_bwd_delta_kernel(OUT, U, DO, TAU, QPOS, QSEG, LSE, DELTA, THR, 
     live = row_mask
     if DOCUMENTS:
         live = row_mask & (tl.load(QSEG + b * Tq + rows, mask=row_mask, other=-1) >= 0)
+        padding = (row_mask & ~live)[:, None] & (offs_d[None, :] < D)
+        tl.store(DQ + b * stride_qb + h * stride_qh + rows[:, None] * stride_qt + offs_d[None, :],
+                 tl.zeros([BLOCK_M, BLOCK_D], DQ.dtype.element_ty), mask=padding)
+        kv = b * stride_dkb + h * stride_dkh + rows[:, None] * stride_dkt + offs_d[None, :]
+        tl.store(DK + kv, tl.zeros([BLOCK_M, BLOCK_D], DK.dtype.element_ty), mask=padding)
+        tl.store(DV + kv, tl.zeros([BLOCK_M, BLOCK_D], DV.dtype.element_ty), mask=padding)
     mask = live[:, None] & (offs_d[None, :] < D)
     offs = b * stride_ob + h * stride_oh + rows[:, None] * stride_ot + offs_d[None, :]
     o = tl.load(OUT + offs, mask=mask, other=0.0).to(tl.float32)
@@ -523,13 +532,12 @@ def _with_gradient_buffer(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _backward(grad_out, query, key, value, tau, distance_bias, q_pos, k_pos, q_seg, k_seg, lse, scaling,
-              causal=False, out=None, u=None, documents=None, padded=True) -> BackwardResult:
+              causal=False, out=None, u=None, documents=None) -> BackwardResult:
     """Launch Delta (with d tau partials), dq, then dk/dv (with d distance_bias partials); no atomics across programs.
 
     `causal` (the metadata's plain causal layout) runs the causal fast path for query lengths > 16, as the forward
     does; it needs the forward's `out` and `u` (`_causal_forward(..., store_u=True)`); so does `documents` (the
-    forward's document table: the causal fast path per document; `padded=False`: every token is in a document, so
-    the gradients need no zero fill first).
+    forward's document table: the causal fast path per document; its runs of padding get zero gradients).
     Returns `BackwardResult(dq, dk, dv, d_tau [Hq] float32, d_bias [Hq, W] float32)`."""
     block_d = _check_inputs(query, key)
     bsz, num_heads, q_len, dim = query.shape
@@ -540,7 +548,7 @@ def _backward(grad_out, query, key, value, tau, distance_bias, q_pos, k_pos, q_s
         if out is None or u is None:
             raise ValueError("the causal fast-path backward needs the forward's out and U (store_u=True)")
         return _causal_backward(grad_out, query, key, value, dq, dk, dv, tau, distance_bias, q_pos, q_seg, lse,
-                                scaling, block_d, out, u, documents, padded)
+                                scaling, block_d, out, u, documents)
     groups = num_heads // kv_heads
     tau32 = tau.detach().to(torch.float32).contiguous()
     bias32 = distance_bias.detach().to(torch.float32).contiguous()
@@ -572,17 +580,14 @@ def _backward(grad_out, query, key, value, tau, distance_bias, q_pos, k_pos, q_s
 
 
 def _causal_backward(grad_out, query, key, value, dq, dk, dv, tau, distance_bias, q_pos, q_seg, lse, scaling,
-                     block_d, out, u, documents=None, padded=True) -> BackwardResult:
+                     block_d, out, u, documents=None) -> BackwardResult:
     """The causal fast-path backward (after `_causal_forward` with `store_u`: its `out` and `u`, and its `documents`
-    table if any): Delta from U, dq, dk/dv; `_backward`'s results. With documents, tokens of no document get zero
-    gradients (`padded=False`: there are none, and the kernels write every row without a fill first)."""
-    padded = documents is not None and padded
+    table if any): Delta from U, dq, dk/dv; `_backward`'s results. With documents, the Delta kernel writes the zero
+    gradients of the table's runs of padding (no fill first), and the dq and dk/dv work lists hold the documents'
+    tiles only."""
     bsz, num_heads, q_len, dim = query.shape
     kv_heads, k_len, window = key.shape[1], key.shape[2], distance_bias.shape[-1]
     tau32 = tau.detach().to(torch.float32).contiguous()
-    if padded:  # padding is never written by the per-document kernels
-        for grad in (dq, dk, dv):
-            grad.zero_()
     common = dict(Q=query, K=key, V=value, LSE=lse, DO=grad_out,
                   **_strides("q", query), **_strides("k", key), **_strides("v", value),
                   **_strides("do", grad_out, h=2, t=1), Hq=num_heads, Tq=q_len, Tk=k_len, W=window,
@@ -592,27 +597,29 @@ def _causal_backward(grad_out, query, key, value, dq, dk, dv, tau, distance_bias
     def grid(block):  # (work list, grid) of `block`-row tiles: B * Hq rows of tiles, or the documents' tiles
         if documents is None:
             return lse, (triton.cdiv(q_len, block), bsz * num_heads)
-        work = _varlen_tiles(documents[:, 2], bsz * q_len, block)
+        work = _varlen_tiles(documents[:, 2].clamp(min=0), bsz * q_len, block)
         return work, (work.shape[0], num_heads)
 
     def launch(kernel, kind, rows_per_program, **arguments):  # each kernel its own band and work list
         block_m, block_n, num_warps, num_stages = _launch_config(kind, block_d, query.device)
         band = _bias_band(distance_bias, scaling, block_m, block_n)
         work, programs = grid(rows_per_program(block_m, block_n))
-        if programs[0] == 0:  # nothing but padding
-            return
         wrap_triton(kernel)[programs](**common, **arguments, BAND=band, BAND_LEN=band.shape[-1],
                                       DOCS=lse if documents is None else documents, TILES=work,
                                       BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages)
 
+    groups = num_heads // kv_heads  # with GQA: float32 terms per query head, summed over each group below
+    dk_out, dv_out = (dk, dv) if groups == 1 else (
+        torch.empty(bsz, num_heads, k_len, dim, dtype=torch.float32, device=query.device) for _ in range(2))
     delta = torch.empty(bsz, num_heads, q_len, dtype=torch.float32, device=query.device)
     thresholds = torch.empty_like(delta)
     delta_m, _, delta_warps, delta_stages = _launch_config("causal_delta", block_d, query.device)
     dtau_part = torch.empty(bsz, num_heads, triton.cdiv(q_len, delta_m), dtype=torch.float32, device=query.device)
     wrap_triton(_lazy_causal_bwd_delta_kernel)[(triton.cdiv(q_len, delta_m), bsz * num_heads)](
         OUT=out, U=u, DO=grad_out, TAU=tau32, QPOS=q_pos, QSEG=q_seg, LSE=lse, DELTA=delta, THR=thresholds,
-        DTAU_PART=dtau_part, DOCUMENTS=documents is not None,
-        **_strides("o", out, h=2, t=1), **_strides("do", grad_out, h=2, t=1), Hq=num_heads, Tq=q_len,
+        DTAU_PART=dtau_part, DQ=dq, DK=dk_out, DV=dv_out, DOCUMENTS=documents is not None,
+        **_strides("o", out, h=2, t=1), **_strides("do", grad_out, h=2, t=1), **_strides("q", query),
+        **_strides("dk", dk_out), Hq=num_heads, Tq=q_len,
         BLOCK_M=delta_m, BLOCK_D=block_d, D=dim, num_warps=delta_warps, num_stages=delta_stages)
     dq_rows = _launch_config("causal_dq", block_d, query.device)[0]
     dq_programs = grid(dq_rows)[1][0]  # one private d distance_bias row per (program, head) of the dq kernel
@@ -621,10 +628,6 @@ def _causal_backward(grad_out, query, key, value, dq, dk, dv, tau, distance_bias
     launch(_lazy_causal_bwd_dq_kernel, "causal_dq", lambda block_m, block_n: block_m, TAU=tau32, QPOS=q_pos,
            QSEG=q_seg, DELTA=delta, DQ=dq,
            DBIAS_PART=dbias_part, scaling=scaling)
-    groups = num_heads // kv_heads  # with GQA: float32 terms per query head, summed over each group below
-    make = torch.zeros if padded else torch.empty
-    dk_out, dv_out = (dk, dv) if groups == 1 else (
-        make(bsz, num_heads, k_len, dim, dtype=torch.float32, device=query.device) for _ in range(2))
     launch(_lazy_causal_bwd_dkdv_kernel, "causal_dkdv" if documents is None else "causal_dkdv_documents",
            lambda block_m, block_n: block_n, DELTA=delta, THR=thresholds, DK=dk_out,
            DV=dv_out, **_strides("dk", dk_out), scaling=scaling)

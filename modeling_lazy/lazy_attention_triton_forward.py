@@ -326,7 +326,9 @@ def _lazy_causal_fwd_kernel(Q, K, V, TAU, BAND, QPOS, OUT, LSE, U, DOCS, TILES,
     `DOCUMENTS`: the rows hold documents (packed, or between padding), each a causal layout of its own at
     positions 0 .. length - 1 (Tq = Tk = the row length): DOCS `[R, 3]` int32 (batch row, first token, length),
     TILES the work list (`_varlen_tiles`: document, first row; -1 for a spare program); program (t, h) runs tile t
-    of query head h, grid (len(TILES), Hq). Tokens of no document are not touched (the launcher zero-fills)."""
+    of query head h, grid (len(TILES), Hq). A run of padding is a DOCS row of negative length (`document_table`):
+    its tiles write out 0, u 0 and the dead-row LSE, reading nothing, so the launcher fills nothing first."""
+    padding = False
     if DOCUMENTS:
         h = tl.program_id(1)
         doc = tl.load(TILES + 2 * tl.program_id(0))
@@ -335,8 +337,9 @@ def _lazy_causal_fwd_kernel(Q, K, V, TAU, BAND, QPOS, OUT, LSE, U, DOCS, TILES,
         b = tl.load(DOCS + row).to(tl.int64)
         start = tl.load(DOCS + row + 1).to(tl.int64)
         length = tl.where(doc >= 0, tl.load(DOCS + row + 2), 0)
-        q_len = length
-        k_len = length
+        padding = length < 0
+        q_len = tl.abs(length)
+        k_len = q_len
     else:
         pid_bh = tl.program_id(1)
         b = (pid_bh // Hq).to(tl.int64)
@@ -350,6 +353,16 @@ def _lazy_causal_fwd_kernel(Q, K, V, TAU, BAND, QPOS, OUT, LSE, U, DOCS, TILES,
     offs_d = tl.arange(0, BLOCK_D)
     rows = m0 + tl.arange(0, BLOCK_M)
     row_mask = rows < q_len
+    if padding:  # (a branch that returns: the document tiles' code is compiled as without it)
+        out_offs = b * stride_ob + h.to(tl.int64) * stride_oh + (start + rows)[:, None] * stride_ot + offs_d[None, :]
+        out_mask = row_mask[:, None] & (offs_d[None, :] < D)
+        zeros = tl.zeros([BLOCK_M, BLOCK_D], OUT.dtype.element_ty)
+        tl.store(OUT + out_offs, zeros, mask=out_mask)
+        if STORE_U:
+            tl.store(U + out_offs, zeros, mask=out_mask)
+        tl.store(LSE + bh.to(tl.int64) * Tq + start + rows, tl.full([BLOCK_M], _DEAD_ROW_LSE, tl.float32),
+                 mask=row_mask)
+        return
     q = _load_rows(Q + b * stride_qb + h.to(tl.int64) * stride_qh + start * stride_qt, stride_qt, rows, offs_d, q_len,
                    D)
     q_pos = tl.load(QPOS + b * Tq + start + rows, mask=row_mask, other=0)
@@ -422,37 +435,28 @@ def _forward(query, key, value, tau, distance_bias, q_pos, k_pos, q_seg, k_seg, 
 
 
 def _causal_forward(query, key, value, tau, distance_bias, q_pos, scaling, block_d, store_u=False,
-                    documents=None, padded=True) -> ForwardResult:
+                    documents=None) -> ForwardResult:
     """The causal fast-path forward: `ForwardResult(out [B, Tq, Hq, D], lse [B, Hq, Tq] float32 in log2 units (what
     `_causal_backward` reads), u)`; `store_u` (training): u is `U_i = sum_j m_ij v_j`, `[B, Tq, Hq, D]`, for
     `_causal_backward`, stored as `out` is (the query dtype: `(tau / n) U` is a term of O); otherwise None.
 
     `documents` (`[R, 3]` int32: batch row, first token, length; `document_table` of lazy_attention_torch): the
     rows hold documents, each its own causal layout at positions 0 .. length - 1 (packed documents, padded rows; Tq
-    = Tk); tokens of no document (padding) get out 0, u 0 and the dead-row LSE. `padded=False` (the caller knows that
-    every token is in a document) skips filling the outputs first: the kernel writes every row."""
+    = Tk); the table's runs of padding (negative lengths) get out 0, u 0 and the dead-row LSE from the kernel, which
+    so writes every token."""
     bsz, num_heads, q_len, dim = query.shape
     kv_heads, k_len = key.shape[1], key.shape[2]
     kind = "causal_fwd_u" if store_u else "causal_fwd"
     block_m, block_n, num_warps, num_stages = _launch_config(kind, block_d, query.device)
     band = _bias_band(distance_bias, scaling, block_m, block_n)
-    f32 = dict(dtype=torch.float32, device=query.device)
+    out = torch.empty(bsz, q_len, num_heads, dim, dtype=query.dtype, device=query.device)
+    lse = torch.empty(bsz, num_heads, q_len, dtype=torch.float32, device=query.device)
+    u = torch.empty_like(out) if store_u else None
     if documents is None:
-        out = torch.empty(bsz, q_len, num_heads, dim, dtype=query.dtype, device=query.device)
-        lse = torch.empty(bsz, num_heads, q_len, **f32)
-        u = torch.empty_like(out) if store_u else None
         tiles, grid = lse, (triton.cdiv(q_len, block_m), bsz * num_heads)
     else:
-        fill = torch.zeros if padded else torch.empty
-        out = fill(bsz, q_len, num_heads, dim, dtype=query.dtype, device=query.device)
-        lse = torch.empty(bsz, num_heads, q_len, **f32)
-        if padded:
-            lse.fill_(DEAD_ROW_LSE)
-        u = fill(out.shape, dtype=out.dtype, device=out.device) if store_u else None
-        tiles = _varlen_tiles(documents[:, 2], bsz * q_len, block_m)
+        tiles = _varlen_tiles(documents[:, 2].abs(), bsz * q_len, block_m)
         grid = (tiles.shape[0], num_heads)
-        if tiles.shape[0] == 0:  # nothing but padding
-            return ForwardResult(out, lse, u)
     wrap_triton(_lazy_causal_fwd_kernel)[grid](
         Q=query, K=key, V=value, TAU=tau.detach().to(torch.float32).contiguous(), BAND=band, QPOS=q_pos,
         OUT=out, LSE=lse, U=u if store_u else lse, DOCS=lse if documents is None else documents, TILES=tiles,

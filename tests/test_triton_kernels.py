@@ -336,14 +336,32 @@ DOCUMENT_CASES = {  # name: (dtype, batch, heads, kv heads, length, dim, window,
 }
 
 
+class _NaNBuffers:
+    """`torch` for the launcher modules, whose `empty` / `empty_like` floating-point buffers start as NaN."""
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    @staticmethod
+    def _poisoned(buffer):
+        return buffer.fill_(float("nan")) if buffer.is_floating_point() else buffer
+
+    def empty(self, *args, **kwargs):
+        return self._poisoned(torch.empty(*args, **kwargs))
+
+    def empty_like(self, *args, **kwargs):
+        return self._poisoned(torch.empty_like(*args, **kwargs))
+
+
 def documents_fast_path(kernels):
     """Packed documents and padded rows run the causal fast path per document (forward and backward, no general
     kernel) against the float64 reference: mixed document lengths with 1-token documents and documents longer than
     the window, right and left padding, an all-padding row, GQA, tau of both signs, a head whose bias is -inf at
     distance 0 (its one-token rows have no normaliser: compared with the project's reference in float64, whose
     gradients, unlike the dense oracle's, are defined there), D 64 and 128, both block tables, float32 and
-    bfloat16; padding gets exactly zero output and gradients. The launchers fill the outputs and gradients with zeros
-    first only when some token is in no document (packed documents alone: every row is written by the kernels)."""
+    bfloat16; padding gets exactly zero output and gradients, written by the kernels from the document table's runs
+    of padding (the table covers every token; the launchers' buffers are poisoned with NaN here, so a token no
+    kernel writes shows)."""
     import modeling_lazy.lazy_attention_ops as ops
     import modeling_lazy.lazy_attention_triton_backward as backward_kernels
     import modeling_lazy.lazy_attention_triton_common as common
@@ -352,21 +370,26 @@ def documents_fast_path(kernels):
 
     calls = []
     originals = (forward_kernels._forward, backward_kernels._backward, ops._forward, common._gpu_family)
+    modules = (forward_kernels, backward_kernels)
+    forward_kernels.torch = backward_kernels.torch = _NaNBuffers()
 
     def general(*args, **kwargs):
         raise AssertionError("a general kernel ran")
 
     forward_kernels._forward = ops._forward = general
     document_forward = ops._causal_forward
-    # (documents given, padded): the launcher's arguments 9 and 10
-    ops._causal_forward = lambda *args: calls.append((args[9] is not None, args[10])) or document_forward(*args)
+    # (tokens the document table covers, its runs of padding): the launcher's argument 9
+    ops._causal_forward = lambda *args: calls.append(
+        (int(args[9][:, 2].abs().sum()), int((args[9][:, 2] < 0).sum()))) or document_forward(*args)
     errors, expected_calls = {}, []
     try:
         for name, case in DOCUMENT_CASES.items():
             dtype, bsz, heads, kv_heads, length, dim, window, tau, blocks, kind, dead = case
             common._gpu_family = lambda device, blocks=blocks: blocks
             meta, layout = document_metadata(kind, bsz, length)
-            expected_calls.append((True, bool((meta.q_seg < 0).any())))
+            padding = (meta.q_seg < 0).int()
+            runs = int((padding.diff(dim=1, prepend=padding.new_zeros(bsz, 1)) > 0).sum())
+            expected_calls.append((bsz * length, runs))
             query, key, value, tau_t, bias, grad = make_inputs(bsz, heads, kv_heads, length, length, dim, window,
                                                                dtype, tau)
             if dead:  # head 0: no key at distance 0, so a 1-token document's row has no normaliser
@@ -394,7 +417,9 @@ def documents_fast_path(kernels):
     finally:
         forward_kernels._forward, backward_kernels._backward, ops._forward, common._gpu_family = originals
         ops._causal_forward = document_forward
-    assert calls == expected_calls and any(not padded for _, padded in calls), calls
+        for module in modules:
+            module.torch = torch
+    assert calls == expected_calls and any(runs == 0 for _, runs in calls), calls
     return errors
 
 
