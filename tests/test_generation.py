@@ -84,14 +84,21 @@ def test_sampling_and_beam_search_run(model):
 
 
 def test_continue_from_past_key_values(model):
+    """generate() continued from a returned cache (with two more prompt tokens) gives at every step the logits of a
+    fresh forward of the whole sequence. The mask is given: the first generation may produce the pad token (0),
+    which generate() would otherwise take for padding in the second prompt, though the cache holds it as a token."""
     ids = torch.randint(3, 97, (1, 6))
     first = model.generate(ids, max_new_tokens=5, do_sample=False, pad_token_id=0, return_dict_in_generate=True)
     cache = copy.deepcopy(getattr(first, CACHE_FIELD))
     extra = torch.randint(3, 97, (1, 2))
     prompt2 = torch.cat([first.sequences, extra], 1)
-    continued = model.generate(prompt2, **{CACHE_FIELD: cache}, max_new_tokens=5, do_sample=False, pad_token_id=0)
-    fresh = model.generate(prompt2, max_new_tokens=5, do_sample=False, pad_token_id=0)
-    assert torch.equal(continued, fresh)
+    continued = model.generate(prompt2, attention_mask=torch.ones_like(prompt2), **{CACHE_FIELD: cache},
+                               max_new_tokens=5, do_sample=False, pad_token_id=0, return_dict_in_generate=True,
+                               output_logits=True)
+    assert continued.sequences.shape[1] > prompt2.shape[1]
+    with torch.no_grad():
+        fresh = model(continued.sequences).logits[0, prompt2.shape[1] - 1:-1]
+    torch.testing.assert_close(torch.cat(continued.logits), fresh, atol=1e-5, rtol=1e-5)
 
 
 def test_logits_to_keep(model):
