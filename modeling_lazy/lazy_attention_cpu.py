@@ -55,7 +55,7 @@ def available() -> bool:
 def decode_supported(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
     """True when `lazy_decode_cpu` takes these: the ops are available, all three on the CPU in one dtype of
     `DTYPES`, key and value with unit last strides."""
-    return (query.device.type == key.device.type == value.device.type == "cpu"
+    return (query.is_cpu and key.is_cpu and value.is_cpu  # (`is_cpu`: no device object per call)
             and query.dtype == key.dtype == value.dtype and query.dtype in DTYPES
             and key.stride(-1) == 1 and value.stride(-1) == 1 and available())
 
@@ -99,7 +99,7 @@ def lazy_decode_cpu(query, key, value, tau, distance_bias, scaling, *, seq_len=0
     `num_splits`: slices of each sequence's keys computed as separate parallel items (split-K); 0 chooses (slices
     only when there are fewer (sequence, KV head) tasks than the threads can share evenly and the keys are many).
     """
-    if not query.device.type == key.device.type == value.device.type == "cpu":
+    if not (query.is_cpu and key.is_cpu and value.is_cpu):
         _require_cpu("lazy_decode_cpu", query=query, key=key, value=value)
     if query.stride(-1) != 1:
         query = query.contiguous()

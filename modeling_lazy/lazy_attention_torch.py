@@ -566,7 +566,9 @@ def _kernel_decode(query, key, value, tau, distance_bias, metadata: LazyMetadata
     (`lazy_attention_cpu`, float32, bfloat16 or float16), which reads each key once and only the value rows some
     head of a GQA group weights. `out [B, 1, Hq, Dv]` in the query dtype."""
     bsz, num_heads = query.shape[:2]
-    positions = metadata.q_pos.expand(bsz, 1).reshape(bsz)  # a row shared by the batch is expanded
+    # left-padded: `left_padding` checked that each query stands where the op puts it by default (the last of its
+    # row's real keys); otherwise the positions are passed (a row shared by the batch expanded)
+    positions = None if key_starts is not None else metadata.q_pos.expand(bsz, 1).reshape(bsz)
     out = lazy_decode_cpu(query.select(2, 0), key, value, tau, distance_bias, scaling, seq_len=metadata.key_length,
                           positions=positions, key_starts=key_starts)
     return out.view(bsz, 1, num_heads, value.shape[-1])
