@@ -59,9 +59,10 @@ LN2 = 0.6931471805599453
 # GPU family -> (kernel kind, padded head dim) -> (BLOCK_M, BLOCK_N, num_warps, num_stages). Padded head
 # dims up to 64 use the 64 rows, larger ones the 128 rows (256 runs but is not tuned). Chosen so that no
 # build spills registers or needs more shared memory than a block may have (tests/test_triton_aot.py), then by the
-# static GPU model (benchmarks/static_gpu_model.py) where it was swept (the causal backward's dq and dk/dv: 4 warps
-# on small tiles model faster than 8); Ampere's mma.sync keeps more of each tile in registers than Hopper's wgmma,
-# so its tiles are smaller. Other GPUs use the sm80 table.
+# static GPU model (benchmarks/static_gpu_model.py) where it was swept among builds with pipelined loads (2+ stages:
+# the model does not charge load latency, so it would otherwise prefer 1 stage): the causal forward (sm90 D 64:
+# 128 x 128), the causal backward's dq and dk/dv (4 warps on small tiles model faster than 8); Ampere's mma.sync
+# keeps more of each tile in registers than Hopper's wgmma, so its tiles are smaller. Other GPUs use the sm80 table.
 _CONFIGS = {
     "sm90": {
         ("fwd", 64): (128, 64, 8, 2),
