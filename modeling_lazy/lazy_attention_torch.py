@@ -364,8 +364,8 @@ def _document_runs(metadata: LazyMetadata) -> tuple[list[tuple[int, int, int]], 
 def document_table(metadata: LazyMetadata) -> torch.Tensor | None:
     """`[R, 3]` int32 on the metadata's device for the Triton kernels' per-document causal path: one row `(batch
     row, first token, length)` per document of `_document_runs`, then one `(batch row, first token, -length)` per
-    run of padding between them (so that the kernels write every token: zeros there); None for any other layout.
-    Computed once per forward."""
+    run of padding before, between or after them (so that the kernels write every token: zeros there); None for
+    any other layout. Computed once per forward."""
     runs = _document_runs(metadata)
     if runs is None:
         return None
