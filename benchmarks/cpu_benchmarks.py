@@ -29,12 +29,12 @@ import time
 import torch
 import torch.nn.functional as F
 import transformers
-from transformers.cache_utils import DynamicCache, DynamicLayer
+from transformers.cache_utils import DynamicCache
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 import modeling_lazy  # noqa: F401
 import modeling_lazy.modeling_lazy as lazy_module
-from modeling_lazy import LazyLlamaConfig, LazyLlamaForCausalLM, is_lazy_parameter
+from modeling_lazy import LazyLlamaConfig, LazyLlamaForCausalLM, append_in_place, is_lazy_parameter
 from modeling_lazy.lazy_attention_reference import LazyMetadata
 from modeling_lazy.lazy_attention_torch import lazy_attention_torch
 
@@ -208,11 +208,14 @@ def bench_model(size):
                     **_raw(r))
         lengths = size["batch_prompts"]
         ids, gen = _left_padded_batch(size)
-        r = interleaved_ratio(lambda: lazy.generate(ids, **gen), lambda: llama.generate(ids, **gen), size["rounds"])
         label = f"generate {size['new_tokens']}, batch of {len(lengths)} left-padded ({min(lengths)}-{max(lengths)})"
-        print(_row([label, tau_value, _fmt(*r[:3]), f"{1 / r[0]:.2f}x", f"{r[3]:.3f}", f"{r[4]:.3f}"]))
-        _record("model", measure="generate left-padded batch", prompts=lengths, new_tokens=size["new_tokens"],
-                tau=tau_value, **_raw(r))
+        for cache in ("default", "dynamic"):  # each model's own cache; then a concatenating DynamicCache for both
+            r = interleaved_ratio(lambda: lazy.generate(ids, cache=_cache(cache), **gen),
+                                  lambda: llama.generate(ids, cache=_cache(cache), **gen), size["rounds"])
+            print(_row([f"{label}, {CACHE_LABELS[cache]}", tau_value, _fmt(*r[:3]), f"{1 / r[0]:.2f}x",
+                        f"{r[3]:.3f}", f"{r[4]:.3f}"]))
+            _record("model", measure="generate left-padded batch", prompts=lengths, new_tokens=size["new_tokens"],
+                    tau=tau_value, cache=cache, **_raw(r))
         train = [(f"train step L={length}", dict(measure="train step", length=length), length, None)
                  for length in size["train"]]
         length, docs = size["packed_train"]  # packed documents, restarting positions (lazy-finetune's blocks)
@@ -355,35 +358,13 @@ def bench_workloads(size):
         _record("workloads", measure=measure, label=label, tau=-1.0, **_raw(r))
 
 
-class InPlaceLayer(DynamicLayer):
-    """A `DynamicLayer` that writes new keys/values into spare capacity (doubled when full) instead of
-    concatenating: `DynamicCache` copies the whole cache every token (~10 ms per layer at 8k keys here, five times
-    the attention itself), which both models pay and which hides what the attention costs. Benchmark-only; the
-    `in-place cache` rows give it to both models alike."""
-
-    def update(self, key_states, value_states, *args, **kwargs):
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        length, new = self.get_seq_length(), key_states.shape[-2]
-        buffers = getattr(self, "buffers", None)
-        if buffers is None or self.keys.data_ptr() != buffers[0].data_ptr() or length + new > buffers[0].shape[-2]:
-            capacity = max(64, 2 * (length + new))
-            buffers = tuple(x.new_empty(*x.shape[:-2], capacity, x.shape[-1]) for x in (key_states, value_states))
-            if length:
-                buffers[0][..., :length, :] = self.keys
-                buffers[1][..., :length, :] = self.values
-            self.buffers = buffers
-        buffers[0][..., length : length + new, :] = key_states
-        buffers[1][..., length : length + new, :] = value_states
-        self.keys, self.values = buffers[0][..., : length + new, :], buffers[1][..., : length + new, :]
-        return self.keys, self.values
-
-
 def _cache(kind: str):
-    cache = DynamicCache()
-    if kind == "in-place":
-        cache.layer_class_to_replicate = InPlaceLayer
-    return cache
+    """The cache a decode row gives both models: `default` none (each model creates its own, as generate() does:
+    LazyLlama's appends in place, Llama's `DynamicCache` concatenates), `dynamic` a concatenating `DynamicCache`,
+    `in-place` a `DynamicCache` with LazyLlama's `InPlaceDynamicLayer`s."""
+    if kind == "default":
+        return None
+    return append_in_place(DynamicCache()) if kind == "in-place" else DynamicCache()
 
 
 def _decode_step(model, cache, context: int, token):
@@ -394,14 +375,14 @@ def _decode_step(model, cache, context: int, token):
     cache.crop(-1)
 
 
-def _prefilled(model, ids, cache_kind="dynamic"):
+def _prefilled(model, ids, cache_kind="default"):
     with torch.no_grad():
         out = model(ids, attention_mask=torch.ones_like(ids), cache=_cache(cache_kind), use_cache=True,
                     logits_to_keep=1)
     return out.cache
 
 
-def _decode_ratio(lazy, llama, ids, steps, cache_kind="dynamic"):
+def _decode_ratio(lazy, llama, ids, steps, cache_kind="default"):
     context = ids.shape[1]
     caches = _prefilled(lazy, ids, cache_kind), _prefilled(llama, ids, cache_kind)
     token = ids[:, -1:]
@@ -415,8 +396,12 @@ def _decode_table_head(title):
     print(_row(["---"] * 6))
 
 
-def _decode_row(table, context, tau_value, r, cache="dynamic", **extra):
-    print(_row([context if cache == "dynamic" else f"{context} (in-place cache)", tau_value, _fmt(*r[:3]),
+CACHE_LABELS = {"default": "each model's own cache", "dynamic": "DynamicCache for both",
+                "in-place": "in-place cache for both"}
+
+
+def _decode_row(table, context, tau_value, r, cache="default", **extra):
+    print(_row([f"{context} ({CACHE_LABELS[cache]})", tau_value, _fmt(*r[:3]),
                 f"{1 / r[0]:.2f}x", f"{r[3] * 1e3:.2f}", f"{r[4] * 1e3:.2f}"]))
     extra["cache"] = cache
     _record(table, context=context, tau=tau_value, **_raw(r), **extra)
@@ -430,7 +415,7 @@ def bench_decode(size):
         lazy, llama = _models(size, tau_value)
         for context in size["decode_contexts"]:
             ids = torch.randint(0, vocab, (1, context))
-            for kind in ("dynamic", "in-place") if context == max(size["decode_contexts"]) else ("dynamic",):
+            for kind in CACHE_LABELS if context == max(size["decode_contexts"]) else ("default",):
                 _decode_row("decode", context, tau_value, _decode_ratio(lazy, llama, ids, size["decode_steps"], kind),
                             cache=kind)
 
@@ -463,9 +448,9 @@ def bench_smollm2(size):
     context = ids.shape[1]
     threads = torch.get_num_threads()
     _decode_table_head(f"Real SmolLM2-135M-Instruct (30 layers) converted at tau = -1: time per token, "
-                       f"{context}-token Brown context (first row: DynamicCache, generate()'s default; second: "
-                       "an in-place cache for both models, see InPlaceLayer)")
-    for kind in ("dynamic", "in-place"):
+                       f"{context}-token Brown context (each model's own cache, as generate() creates it: "
+                       "LazyLlama's appends in place, Llama's concatenates; then the same cache for both)")
+    for kind in CACHE_LABELS:
         r = _decode_ratio(lazy, llama, ids, size["decode_steps"], kind)
         assert torch.get_num_threads() == threads
         _decode_row("smollm2", context, -1.0, r, model="SmolLM2-135M-Instruct Q4_1 GGUF dequantised to float32",

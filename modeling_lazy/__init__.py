@@ -16,12 +16,14 @@ from configuration_lazy import LazyLlamaConfig
 
 from .modeling_lazy import (
     LAZY_PARAMETER_NAMES,
+    InPlaceDynamicLayer,
     LazyLlamaForCausalLM,
     LazyLlamaForQuestionAnswering,
     LazyLlamaForSequenceClassification,
     LazyLlamaForTokenClassification,
     LazyLlamaModel,
     LazyLlamaPreTrainedModel,
+    append_in_place,
     is_lazy_parameter,
     lazy_attention_modules,
 )
@@ -35,6 +37,7 @@ AutoModelForQuestionAnswering.register(LazyLlamaConfig, LazyLlamaForQuestionAnsw
 
 __all__ = [
     "LAZY_PARAMETER_NAMES",
+    "InPlaceDynamicLayer",
     "LazyLlamaConfig",
     "LazyLlamaForCausalLM",
     "LazyLlamaForQuestionAnswering",
@@ -42,6 +45,7 @@ __all__ = [
     "LazyLlamaForTokenClassification",
     "LazyLlamaModel",
     "LazyLlamaPreTrainedModel",
+    "append_in_place",
     "is_lazy_parameter",
     "lazy_attention_modules",
 ]

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from transformers import AutoModel
 from transformers import initialization as init
-from transformers.cache_utils import Cache, DynamicCache
+from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 from transformers.generation import GenerationMixin
 from transformers.masking_utils import AttentionMaskInterface, prepare_padding_mask
 from transformers.modeling_layers import (
@@ -380,6 +380,72 @@ class LazyLlamaPreTrainedModel(PreTrainedModel):
         return super().push_to_hub(repo_id, *args, tags=tags, **kwargs)
 
 
+class InPlaceDynamicLayer(DynamicLayer):
+    """A `DynamicLayer` that writes each step's keys and values into spare capacity instead of concatenating.
+
+    `DynamicLayer.update` concatenates: every generated token copies the layer's whole cache (at 8k tokens the
+    copies cost more than the attention that reads it). This layer keeps a buffer with room to spare (a quarter
+    of the length, at least 256 tokens) and returns views of its first `length` rows, so a decode step writes
+    one row; a full buffer is replaced by a larger one (amortised: a few rows copied per token). Everything
+    else is `DynamicLayer`'s: the views are its `keys`/`values`, `crop` keeps writing in place, and a tensor that
+    something else put there (beam reordering, batch selection, offloading, a cast) starts a new buffer from it.
+    It falls back to concatenation where writing in place would break autograd (keys that require grad) or
+    under torch.compile. `LazyLlamaModel` and `generate()` give it to the caches they create themselves.
+    """
+
+    _spare: tuple[torch.Tensor, torch.Tensor] | None = None  # the key and value buffers `keys`/`values` view
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if (torch.compiler.is_compiling() or (torch.is_grad_enabled() and key_states.requires_grad)
+                or key_states.dim() != 4 or value_states.dim() != 4):
+            self._spare = None
+            return super().update(key_states, value_states, *args, **kwargs)
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        length = self.get_seq_length()
+        end = length + key_states.shape[-2]
+        if not self._has_room(key_states, value_states, end):
+            spare = end + max(256, end // 4)
+            self._spare = tuple(new.new_empty(*new.shape[:-2], spare, new.shape[-1])
+                                for new in (key_states, value_states))
+            if length:
+                self._spare[0][..., :length, :] = self.keys
+                self._spare[1][..., :length, :] = self.values
+        keys, values = self._spare
+        keys[..., length:end, :] = key_states
+        values[..., length:end, :] = value_states
+        self.keys, self.values = keys[..., :end, :], values[..., :end, :]
+        return self.keys, self.values
+
+    def _has_room(self, key_states: torch.Tensor, value_states: torch.Tensor, end: int) -> bool:
+        """The buffers hold `end` rows, `keys`/`values` are still their first rows (as `update` or `crop` left
+        them), and the new rows match them in batch, heads, width, dtype and device."""
+        if self._spare is None or end > self._spare[0].shape[-2]:
+            return False
+        return all(
+            cached.data_ptr() == buffer.data_ptr() and cached.stride() == buffer.stride()
+            and cached.shape[:-2] == buffer.shape[:-2] == new.shape[:-2]
+            and cached.shape[-1] == buffer.shape[-1] == new.shape[-1]
+            and new.dtype == buffer.dtype and new.device == buffer.device
+            for cached, buffer, new in zip((self.keys, self.values), self._spare, (key_states, value_states)))
+
+    def reset(self) -> None:
+        self._spare = None
+        super().reset()
+
+
+def append_in_place(cache: Cache | None) -> Cache | None:
+    """Give an unused `DynamicCache` `InPlaceDynamicLayer`s (its plain `DynamicLayer`s only; an offloading cache
+    keeps its own). Returns the cache."""
+    if type(cache) is DynamicCache and not getattr(cache, "offloading", False):
+        if cache.layer_class_to_replicate is DynamicLayer:
+            cache.layer_class_to_replicate = InPlaceDynamicLayer
+        for index, layer in enumerate(cache.layers):
+            if type(layer) is DynamicLayer and not layer.is_initialized:
+                cache.layers[index] = InPlaceDynamicLayer()
+    return cache
+
+
 def _cache_lengths(cache: Cache | None, query_length: int) -> tuple[int | torch.Tensor, int]:
     """`(past, key_length)`: cached tokens before this call, and how many keys the layers attend over.
 
@@ -452,7 +518,7 @@ class LazyLlamaModel(LazyLlamaPreTrainedModel):
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
         if use_cache and cache is None:
-            cache = DynamicCache(config=self.config)
+            cache = append_in_place(DynamicCache(config=self.config))
 
         bsz, q_len = inputs_embeds.shape[:2]
         if q_len == 0:
@@ -547,6 +613,15 @@ class LazyLlamaForCausalLM(LazyLlamaPreTrainedModel, GenerationMixin):
             generation_config = copy.copy(generation_config)
             generation_config.compile_config = compile_config
         return super()._valid_auto_compile_criteria(model_kwargs, generation_config)
+
+    def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
+        """transformers' cache choice; a `DynamicCache` it creates (not one the caller passed) appends in place
+        (`InPlaceDynamicLayer`)."""
+        result = super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
+        cache = model_kwargs.get(CACHE_FIELD)
+        if cache is not None and not getattr(cache, "_is_user_defined", False):
+            append_in_place(cache)
+        return result
 
     def create_masks_for_generate(self, config, inputs_embeds, attention_mask, cache, **kwargs):
         """What `generate()` passes as `attention_mask` with a compilable (static) cache.

@@ -106,3 +106,95 @@ def test_logits_to_keep(model):
     full = model(ids).logits
     torch.testing.assert_close(model(ids, logits_to_keep=1).logits, full[:, -1:])
     torch.testing.assert_close(model(ids, logits_to_keep=3).logits, full[:, -3:])
+
+
+def _layer_pair():
+    from transformers.cache_utils import DynamicLayer
+
+    from modeling_lazy.modeling_lazy import InPlaceDynamicLayer
+
+    return InPlaceDynamicLayer(), DynamicLayer()
+
+
+def test_in_place_layer_matches_dynamic_layer_through_every_cache_operation(rng_seed):
+    """A random sequence of updates (prefill, single tokens, chunks past the spare capacity), crops, beam
+    reorders, batch selections, repeats and resets leaves `InPlaceDynamicLayer` holding exactly what
+    transformers' concatenating `DynamicLayer` holds; single-token steps write into the buffer without a copy."""
+    in_place, plain = _layer_pair()
+    batch, heads, dim = 3, 2, 8
+    writes_in_place = 0
+    for step in range(60):
+        action = torch.randint(0, 10, ()).item()
+        length = plain.get_seq_length()
+        if action == 0 and length > 1:
+            remove = int(torch.randint(1, length, ()))
+            in_place.crop(-remove)
+            plain.crop(-remove)
+        elif action == 1 and length:
+            order = torch.randint(0, batch, (batch,))
+            in_place.reorder_cache(order)
+            plain.reorder_cache(order)
+        elif action == 2 and length and batch > 1:
+            keep = torch.randperm(batch)[: batch - 1]
+            in_place.batch_select_indices(keep)
+            plain.batch_select_indices(keep)
+            batch -= 1
+        elif action == 3 and length and batch < 4:
+            in_place.batch_repeat_interleave(2)
+            plain.batch_repeat_interleave(2)
+            batch *= 2
+        elif action == 4 and step % 20 == 19:
+            in_place.reset()
+            plain.reset()
+        else:
+            new = 1 if action < 8 else int(torch.randint(2, 300, ()))
+            keys, values = torch.randn(batch, heads, new, dim), torch.randn(batch, heads, new, dim)
+            before = in_place._spare[0].data_ptr() if in_place._spare is not None else None
+            got = in_place.update(keys, values)
+            want = plain.update(keys, values)
+            writes_in_place += before == in_place._spare[0].data_ptr()
+            for a, b in zip(got, want):
+                assert torch.equal(a, b), f"step {step}: update returned other keys/values"
+        assert in_place.get_seq_length() == plain.get_seq_length(), f"step {step}"
+        if plain.get_seq_length():
+            assert torch.equal(in_place.keys, plain.keys) and torch.equal(in_place.values, plain.values), f"step {step}"
+    assert writes_in_place > 10  # most single-token steps wrote in place
+
+
+def test_in_place_layer_concatenates_where_autograd_needs_it(rng_seed):
+    """Keys that require grad (a training forward with use_cache=True) are concatenated, so a second update does
+    not overwrite a tensor saved for backward; the gradient equals the plain layer's."""
+    grads, data = [], torch.randn(1, 2, 5, 4)
+    for layer in _layer_pair():
+        keys = data.clone().requires_grad_()
+        first, _ = layer.update(keys[:, :, :3], keys[:, :, :3])
+        second, _ = layer.update(keys[:, :, 3:], keys[:, :, 3:])
+        (first.square().sum() + second.sin().sum()).backward()
+        grads.append(keys.grad)
+    torch.testing.assert_close(grads[0], grads[1], rtol=0, atol=0)
+
+
+def test_generate_creates_in_place_caches_and_keeps_the_callers(model):
+    """generate() and a forward without a cache create `InPlaceDynamicLayer`s; a cache the caller passes keeps
+    its layers. The left-padded greedy generation (sequences and per-step logits) equals the one with a
+    concatenating cache."""
+    from transformers.cache_utils import DynamicLayer
+
+    from modeling_lazy.modeling_lazy import InPlaceDynamicLayer, append_in_place
+
+    ids = torch.randint(3, 97, (3, 9))
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0
+    settings = dict(attention_mask=mask, max_new_tokens=10, do_sample=False, pad_token_id=0,
+                    return_dict_in_generate=True, output_logits=True)
+    own = model.generate(ids, **settings)
+    given = model.generate(ids, **settings, **{CACHE_FIELD: DynamicCache(config=model.config)})
+    assert {type(layer) for layer in getattr(own, CACHE_FIELD).layers} == {InPlaceDynamicLayer}
+    assert {type(layer) for layer in getattr(given, CACHE_FIELD).layers} == {DynamicLayer}
+    assert torch.equal(own.sequences, given.sequences)
+    torch.testing.assert_close(torch.stack(own.logits), torch.stack(given.logits), rtol=0, atol=0)
+    with torch.no_grad():
+        forward_cache = getattr(model(ids, attention_mask=mask, use_cache=True), CACHE_FIELD)
+    assert {type(layer) for layer in forward_cache.layers} == {InPlaceDynamicLayer}
+    offloading = append_in_place(DynamicCache(config=model.config, offloading=True))  # moves layers: left alone
+    assert {type(layer) for layer in offloading.layers} == {DynamicLayer}
