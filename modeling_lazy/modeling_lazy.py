@@ -393,44 +393,42 @@ class InPlaceDynamicLayer(DynamicLayer):
     under torch.compile. `LazyLlamaModel` and `generate()` give it to the caches they create themselves.
     """
 
-    _spare: tuple[torch.Tensor, torch.Tensor] | None = None  # the key and value buffers `keys`/`values` view
+    _spare: tuple[torch.Tensor, torch.Tensor] | None = None  # the key and value buffers
+    _views: tuple[torch.Tensor, torch.Tensor] | None = None  # the views of them this layer set as `keys`/`values`
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if (torch.compiler.is_compiling() or (torch.is_grad_enabled() and key_states.requires_grad)
                 or key_states.dim() != 4 or value_states.dim() != 4):
-            self._spare = None
+            self._spare = self._views = None
             return super().update(key_states, value_states, *args, **kwargs)
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         length = self.get_seq_length()
         end = length + key_states.shape[-2]
-        if not self._has_room(key_states, value_states, end):
-            spare = end + max(256, end // 4)
-            self._spare = tuple(new.new_empty(*new.shape[:-2], spare, new.shape[-1])
-                                for new in (key_states, value_states))
+        spare = self._spare
+        if (spare is None or end > spare[0].shape[-2] or self._views is None or self.keys is not self._views[0]
+                or self.values is not self._views[1] or key_states.dtype != spare[0].dtype
+                or value_states.dtype != spare[1].dtype):
+            # first call, full, or `keys`/`values` replaced from outside (beam reorder, batch selection, offloading)
+            spare = self._spare = tuple(new.new_empty(*new.shape[:-2], end + max(256, end // 4), new.shape[-1])
+                                        for new in (key_states, value_states))
             if length:
-                self._spare[0][..., :length, :] = self.keys
-                self._spare[1][..., :length, :] = self.values
-        keys, values = self._spare
-        keys[..., length:end, :] = key_states
-        values[..., length:end, :] = value_states
-        self.keys, self.values = keys[..., :end, :], values[..., :end, :]
+                spare[0][..., :length, :] = self.keys
+                spare[1][..., :length, :] = self.values
+        spare[0][..., length:end, :] = key_states
+        spare[1][..., length:end, :] = value_states
+        self.keys, self.values = self._views = spare[0][..., :end, :], spare[1][..., :end, :]
         return self.keys, self.values
 
-    def _has_room(self, key_states: torch.Tensor, value_states: torch.Tensor, end: int) -> bool:
-        """The buffers hold `end` rows, `keys`/`values` are still their first rows (as `update` or `crop` left
-        them), and the new rows match them in batch, heads, width, dtype and device."""
-        if self._spare is None or end > self._spare[0].shape[-2]:
-            return False
-        return all(
-            cached.data_ptr() == buffer.data_ptr() and cached.stride() == buffer.stride()
-            and cached.shape[:-2] == buffer.shape[:-2] == new.shape[:-2]
-            and cached.shape[-1] == buffer.shape[-1] == new.shape[-1]
-            and new.dtype == buffer.dtype and new.device == buffer.device
-            for cached, buffer, new in zip((self.keys, self.values), self._spare, (key_states, value_states)))
+    def crop(self, tokens_to_remove: int) -> None:
+        """`DynamicLayer.crop`; the shorter views are still the buffers' first rows, so writing goes on in place."""
+        in_place = self._views is not None and self.keys is self._views[0] and self.values is self._views[1]
+        super().crop(tokens_to_remove)
+        if in_place:
+            self._views = self.keys, self.values
 
     def reset(self) -> None:
-        self._spare = None
+        self._spare = self._views = None
         super().reset()
 
 
