@@ -383,10 +383,11 @@ class LazyLlamaPreTrainedModel(PreTrainedModel):
 class InPlaceDynamicLayer(DynamicLayer):
     """A `DynamicLayer` that writes each step's keys and values into spare capacity instead of concatenating.
 
-    `DynamicLayer.update` concatenates: every generated token copies the layer's whole cache (at 8k tokens the
-    copies cost more than the attention that reads it). This layer keeps a buffer with room to spare (a quarter
-    of the length, at least 256 tokens) and returns views of its first `length` rows, so a decode step writes
-    one row; a full buffer is replaced by a larger one (amortised: a few rows copied per token). Everything
+    `DynamicLayer.update` concatenates: every generated token copies the layer's whole cache, twice the memory
+    traffic of the attention that reads it. This layer keeps a buffer with room to spare (an eighth
+    of the length, at least 256 tokens: that much more memory than `DynamicLayer` holds) and returns views of
+    its first `length` rows, so a decode step writes one row; a full buffer is replaced by a larger one
+    (amortised: about 8 rows copied per token, where concatenation copies them all). Everything
     else is `DynamicLayer`'s: the views are its `keys`/`values`, `crop` keeps writing in place, and a tensor that
     something else put there (beam reordering, batch selection, offloading, a cast) starts a new buffer from it.
     It falls back to concatenation where writing in place would break autograd (keys that require grad) or
@@ -410,7 +411,7 @@ class InPlaceDynamicLayer(DynamicLayer):
                 or self.values is not self._views[1] or key_states.dtype != spare[0].dtype
                 or value_states.dtype != spare[1].dtype):
             # first call, full, or `keys`/`values` replaced from outside (beam reorder, batch selection, offloading)
-            spare = self._spare = tuple(new.new_empty(*new.shape[:-2], end + max(256, end // 4), new.shape[-1])
+            spare = self._spare = tuple(new.new_empty(*new.shape[:-2], end + max(256, end // 8), new.shape[-1])
                                         for new in (key_states, value_states))
             if length:
                 spare[0][..., :length, :] = self.keys
