@@ -140,7 +140,8 @@ class ReferenceCase(NamedTuple):
     docs: list[int] | None = None  # packed document lengths (batch 1)
 
 
-REFERENCE_CASES = {  # the names are the pytest ids; "decode" cases also pass non-contiguous key/value views
+REFERENCE_CASES = {  # the names are the pytest ids; "decode" and "prefill" cases pass non-contiguous key/value views
+    # (the first rows of a longer buffer, as a cache that appends in place holds them)
     "gqa2-window-short-odd-fp32": ReferenceCase(
         torch.float32, batch=2, heads=4, kv_heads=2, q_len=77, k_len=77, head_dim=64, window=16, tau=TAU_MIXED[:4]),
     "gqa3-d128-window-long-fp32": ReferenceCase(
@@ -172,7 +173,7 @@ def reference_case(name):
         inputs = make_inputs(case.batch, case.heads, case.kv_heads, case.q_len, case.k_len, case.head_dim,
                              case.window, case.dtype, case.tau, case.q_scale)
         meta = metadata(case.batch, case.q_len, case.k_len, case.pad, case.docs)
-        return check(kernels, inputs, meta, case.dtype, key_view="decode" in name)
+        return check(kernels, inputs, meta, case.dtype, key_view="decode" in name or "prefill" in name)
     return run
 
 
@@ -279,7 +280,7 @@ def causal_fast_path(kernels):
     """The causal fast path, forward and backward (plain causal metadata), against the float64 reference: windows
     short enough for all three key ranges (beyond the window, inside it, at the causal limit) and longer than the
     sequence, odd lengths, GQA, tau of both signs, D 64 and 128, a chunked prefill after cached keys (key offset),
-    and both block tables."""
+    both block tables, contiguous key/value and views of longer buffers."""
     import modeling_lazy.lazy_attention_ops as ops  # the op layer launches what its decision table picks
     import modeling_lazy.lazy_attention_triton_backward as backward_kernels  # `_backward` calls `_causal_backward`
     import modeling_lazy.lazy_attention_triton_common as common  # every launcher asks it for the GPU family
@@ -290,10 +291,14 @@ def causal_fast_path(kernels):
     backward_kernels._causal_backward = lambda *args: calls.append("backward") or backward(*args)
     try:
         errors = {}
-        for name, (dtype, bsz, heads, kv_heads, q_len, k_len, dim, window, tau, blocks) in CAUSAL_CASES.items():
+        for index, (name, (dtype, bsz, heads, kv_heads, q_len, k_len, dim, window, tau, blocks)) in enumerate(
+                CAUSAL_CASES.items()):
             common._gpu_family = lambda device, blocks=blocks: blocks
             inputs = make_inputs(bsz, heads, kv_heads, q_len, k_len, dim, window, dtype, tau)
-            errors[name] = check(kernels, inputs, metadata(bsz, q_len, k_len), dtype, causal=True)
+            # every other case reads key/value views (the first rows of a longer buffer: a prefill into a cache
+            # that appends in place)
+            errors[name] = check(kernels, inputs, metadata(bsz, q_len, k_len), dtype, key_view=index % 2 == 1,
+                                 causal=True)
     finally:
         ops._causal_forward, backward_kernels._causal_backward, common._gpu_family = forward, backward, family
     assert calls == ["forward", "backward"] * len(CAUSAL_CASES), calls
