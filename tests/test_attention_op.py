@@ -21,9 +21,11 @@ def _inputs(bsz, heads, kv_heads, q_len, past, dim, window, tau, dtype=torch.flo
     return [t.requires_grad_() for t in (q, k, v, tau, bias)]
 
 
-def _threshold_margin(q, k, v, tau, bias, meta) -> float:
-    """Smallest non-zero |p_ij + tau_h / n_i| over visible entries, in float64 (exact ties such as p = 1,
-    tau = -1, n = 1 on the first row come out exactly 0 in every implementation)."""
+def _decided_rows(q, k, v, tau, bias, meta, margin=1e-7) -> torch.Tensor:
+    """`[B, Tq, Hq]` True where every visible entry of the query row has |p_ij + tau_h / n_i| >= `margin` (or is
+    exactly 0, as ties like p = 1, tau = -1, n = 1 are in every implementation), computed in float64, or the head
+    has tau >= 0 (p + tau/n >= 0 in any precision). Elsewhere the ReLU's decision is within float32 rounding of its
+    kink, where either side is a correct result."""
     zero = torch.zeros_like(tau, dtype=torch.float64)
     _, probs = ref.lazy_attention_reference(q.detach().double(), k.detach().double(), v.detach().double(), zero,
                                             bias.detach().double(), meta, 8**-0.5)
@@ -31,9 +33,9 @@ def _threshold_margin(q, k, v, tau, bias, meta) -> float:
                                            zero + 1, zero[:, None] + torch.zeros_like(bias, dtype=torch.float64),
                                            meta, 8**-0.5)
     visible = ones > 0  # tau = 1 gives every visible entry a positive weight
-    shifted = probs + tau.detach().double()[None, :, None, None] / (meta.q_pos + 1)[:, None, :, None].double()
-    shifted = shifted[visible].abs()
-    return shifted[shifted > 0].min().item()
+    shifted = (probs + tau.detach().double()[None, :, None, None] / (meta.q_pos + 1)[:, None, :, None].double()).abs()
+    near_kink = visible & (shifted > 0) & (shifted < margin) & (tau.detach() < 0)[None, :, None, None]
+    return ~near_kink.any(-1).transpose(1, 2)
 
 
 LAYOUTS = {
@@ -59,17 +61,19 @@ def test_chunked_op_matches_reference(layout, tau_kind, padded, rng_seed, monkey
         mask[0, : k_len // 3] = 0  # general layout: padding keys and queries
     meta = ref.LazyMetadata.from_mask(mask, query_length=spec["q_len"], batch_size=spec["bsz"],
                                       past_length=spec["past"])
-    for _ in range(50):  # the ReLU gradient jumps at p = -tau/n: keep float32 rounding away from it
-        q, k, v, tau, bias = _inputs(spec["bsz"], heads, spec["kv_heads"], spec["q_len"], spec["past"], 8,
-                                     spec["window"], tau_value)
-        if _threshold_margin(q, k, v, tau, bias, meta) > 1e-7:
-            break
+    q, k, v, tau, bias = _inputs(spec["bsz"], heads, spec["kv_heads"], spec["q_len"], spec["past"], 8,
+                                 spec["window"], tau_value)
     want, _ = ref.lazy_attention_reference(q, k, v, tau, bias, meta, 8**-0.5)
     got = ops.lazy_attention_torch(q, k, v, tau, bias, meta, 8**-0.5)
     valid = mask[:, spec["past"]:].bool()
     torch.testing.assert_close(got[valid], want[valid], atol=2e-5, rtol=1e-4, msg=f"seed {rng_seed}")
 
-    grad_out = torch.randn_like(want) * valid[:, :, None, None]
+    # The ReLU's gradient jumps at p = -tau/n: a query row (and head) with an entry within float32 rounding of
+    # it gets no output gradient, which takes the row out of every gradient (dS_ij = 0 along it). At these sizes
+    # (hundreds of thousands of entries) a few rows are left out; no draw avoids them all.
+    decided = _decided_rows(q, k, v, tau, bias, meta)
+    assert decided[valid].float().mean() >= 0.75, "too many rows at the ReLU's kink to compare gradients"
+    grad_out = torch.randn_like(want) * (valid[:, :, None] & decided)[..., None]
     g_want = torch.autograd.grad(want, [q, k, v, tau, bias], grad_out)
     g_got = torch.autograd.grad(got, [q, k, v, tau, bias], grad_out)
     for name, a, b in zip("q k v tau bias".split(), g_got, g_want):
