@@ -437,7 +437,7 @@ def append_in_place(cache: Cache | None) -> Cache | None:
     """Give an unused `DynamicCache` `InPlaceDynamicLayer`s (its plain `DynamicLayer`s only; an offloading cache
     keeps its own). Returns the cache."""
     if type(cache) is DynamicCache and not getattr(cache, "offloading", False):
-        if cache.layer_class_to_replicate is DynamicLayer:
+        if getattr(cache, "layer_class_to_replicate", None) is DynamicLayer:
             cache.layer_class_to_replicate = InPlaceDynamicLayer
         for index, layer in enumerate(cache.layers):
             if type(layer) is DynamicLayer and not layer.is_initialized:
