@@ -174,7 +174,8 @@ def test_in_place_layer_concatenates_where_autograd_needs_it(rng_seed):
     torch.testing.assert_close(grads[0], grads[1], rtol=0, atol=0)
 
 
-def test_generate_creates_in_place_caches_and_keeps_the_callers(model):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_generate_creates_in_place_caches_and_keeps_the_callers(model, dtype):
     """generate() and a forward without a cache create `InPlaceDynamicLayer`s; a cache the caller passes keeps
     its layers. The left-padded greedy generation (sequences and per-step logits) equals the one with a
     concatenating cache."""
@@ -182,6 +183,7 @@ def test_generate_creates_in_place_caches_and_keeps_the_callers(model):
 
     from modeling_lazy.modeling_lazy import InPlaceDynamicLayer, append_in_place
 
+    model = model.to(dtype)  # bfloat16: the native decode reads the bf16 views
     ids = torch.randint(3, 97, (3, 9))
     mask = torch.ones_like(ids)
     mask[1, :4] = 0
@@ -198,3 +200,25 @@ def test_generate_creates_in_place_caches_and_keeps_the_callers(model):
     assert {type(layer) for layer in forward_cache.layers} == {InPlaceDynamicLayer}
     offloading = append_in_place(DynamicCache(config=model.config, offloading=True))  # moves layers: left alone
     assert {type(layer) for layer in offloading.layers} == {DynamicLayer}
+
+
+def test_compiled_forward_with_a_cache_concatenates_and_continues_in_place(model):
+    """An inference forward compiled with fullgraph=True and `use_cache=True` creates its cache inside the graph
+    (`InPlaceDynamicLayer` concatenates while traced: no graph break); eager decode steps then continue that cache
+    in place, and every step's logits equal a fresh forward of the whole sequence."""
+    from modeling_lazy.modeling_lazy import InPlaceDynamicLayer
+
+    ids = torch.randint(3, 97, (2, 12))
+    torch.compiler.reset()
+    compiled = torch.compile(lambda x: model(x, use_cache=True), backend="eager", fullgraph=True)
+    with torch.no_grad():
+        out = compiled(ids[:, :9])
+        cache = getattr(out, CACHE_FIELD)
+        assert {type(layer) for layer in cache.layers} == {InPlaceDynamicLayer}
+        assert all(layer._spare is None for layer in cache.layers)  # traced: concatenated, no buffer
+        steps = [out.logits]
+        for t in range(9, 12):
+            steps.append(model(ids[:, t:t + 1], **{CACHE_FIELD: cache}, use_cache=True).logits)
+        assert all(layer._spare is not None for layer in cache.layers)  # the eager steps wrote in place
+        full = model(ids).logits
+    torch.testing.assert_close(torch.cat(steps, 1), full, atol=1e-5, rtol=1e-5)
