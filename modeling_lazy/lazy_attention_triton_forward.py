@@ -267,12 +267,80 @@ def _causal_out_tiles(q, acc, u, K, V, stride_kt, stride_vt, band, diagonal, q_k
 
 
 @triton.jit
+def _causal_one_pass_tiles(q, acc, u, m_i, l_i, K, V, stride_kt, stride_vt, band, diagonal, q_key_idx, positive, lo,
+                           hi, Tk, scale_log2, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, D: tl.constexpr,
+                           BIAS: tl.constexpr, DIAGONAL: tl.constexpr, WITH_U: tl.constexpr, UPCAST: tl.constexpr,
+                           PRECISION: tl.constexpr, BT=None, stride_kb=0, stride_vb=0, PAGE_SIZE: tl.constexpr = 0):
+    """The one pass of a head with tau >= 0 over key tiles [lo, hi): the running max and sum of pass 1 (the same
+    bits), `acc += p~ @ V` rescaled as the max grows (FlashAttention-2's online softmax) and, `WITH_U`, `u += m @ V`
+    with m = 1 on every visible key whose score is not -inf, or (`positive`: tau > 0) on every visible key."""
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    for start_n in range(lo, hi, BLOCK_N):
+        keys = start_n + offs_n
+        k = _load_keys(K, stride_kt, keys, offs_d, Tk, D, BLOCK_D, DIAGONAL, BT, stride_kb, PAGE_SIZE)
+        v = _load_keys(V, stride_vt, keys, offs_d, Tk, D, BLOCK_D, DIAGONAL, BT, stride_vb, PAGE_SIZE)
+        s = _causal_scores(q, k, band, start_n, diagonal, scale_log2, BIAS, False, UPCAST, PRECISION)  # [BM, BN]
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        m_i = m_new
+        acc = _dot(p.to(v.dtype), v, UPCAST, PRECISION, acc * alpha[:, None])
+        if WITH_U:
+            m = tl.full(s.shape, 1.0, tl.float32)  # beyond the window every key (the scores are finite)
+            if BIAS:  # inside it a -inf bias gives a -inf score, weight 0 (and a = 0 at tau = 0)
+                m = tl.where(s > float("-inf"), m, tl.where(positive, m, 0.0))
+            if DIAGONAL:
+                m = tl.where(keys[None, :] <= q_key_idx[:, None], m, 0.0)
+            u = _dot(m.to(v.dtype), v, UPCAST, PRECISION, u)
+    return acc, u, m_i, l_i
+
+
+@triton.jit
+def _causal_one_pass(q, q_pos, tau, K, V, stride_kt, stride_vt, band, diagonal, q_key_idx, far, full, hi, Tk,
+                     scale_log2, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                     D: tl.constexpr, WITH_U: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+                     BT=None, stride_kb=0, stride_vb=0, PAGE_SIZE: tl.constexpr = 0):
+    """`causal_passes` for a head with tau >= 0, in one pass: there the ReLU never cuts (p + tau/n >= 0), so
+    `O_i = sum_j p_ij v_j + (tau/n_i) U_i` with U_i the sum of the visible values (tau > 0), and the weights need
+    no normaliser before they are used. `WITH_U` must hold when tau > 0."""
+    m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    u = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    positive = tau > 0.0
+    acc, u, m_i, l_i = _causal_one_pass_tiles(q, acc, u, m_i, l_i, K, V, stride_kt, stride_vt, band, diagonal,
+                                              q_key_idx, positive, 0, far, Tk, scale_log2, BLOCK_N, BLOCK_D, D,
+                                              False, False, WITH_U, UPCAST, PRECISION, BT, stride_kb, stride_vb,
+                                              PAGE_SIZE)
+    acc, u, m_i, l_i = _causal_one_pass_tiles(q, acc, u, m_i, l_i, K, V, stride_kt, stride_vt, band, diagonal,
+                                              q_key_idx, positive, far, full, Tk, scale_log2, BLOCK_N, BLOCK_D, D,
+                                              True, False, WITH_U, UPCAST, PRECISION, BT, stride_kb, stride_vb,
+                                              PAGE_SIZE)
+    acc, u, m_i, l_i = _causal_one_pass_tiles(q, acc, u, m_i, l_i, K, V, stride_kt, stride_vt, band, diagonal,
+                                              q_key_idx, positive, full, hi, Tk, scale_log2, BLOCK_N, BLOCK_D, D,
+                                              True, True, WITH_U, UPCAST, PRECISION, BT, stride_kb, stride_vb,
+                                              PAGE_SIZE)
+    alive = l_i > 0.0
+    lse2 = tl.where(alive, m_i + tl.log2(tl.where(alive, l_i, 1.0)), float("inf"))
+    inv_l = tl.where(alive, 1.0 / tl.where(alive, l_i, 1.0), 0.0)
+    acc = acc * inv_l[:, None]
+    if WITH_U:  # a dead row (no normaliser) gets no weight and no U, as in the two passes
+        u = tl.where(alive[:, None], u, 0.0)
+        acc += tl.where(alive, tau / (q_pos + 1).to(tl.float32), 0.0)[:, None] * u
+    return acc, u, alive, lse2
+
+
+@triton.jit
 def causal_passes(q, q_pos, K, V, stride_kt, stride_vt, band_h, TAU_h, m0, Tq, Tk, W, scale_log2,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, D: tl.constexpr,
                    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
                    BT=None, stride_kb=0, stride_vb=0, PAGE_SIZE: tl.constexpr = 0, STORE_U: tl.constexpr = False):
-    """Both passes of the causal fast path for the query rows [m0, m0 + BM) of one head (row i at key index
-    i + Tk - Tq, n = q_pos + 1), each as three loops (beyond the window / inside it / at the causal limit).
+    """The causal fast path for the query rows [m0, m0 + BM) of one head (row i at key index i + Tk - Tq,
+    n = q_pos + 1): with tau < 0 two passes (the row log-sum-exp, then `ReLU(p + tau/n) @ V`), with tau >= 0 one
+    (`_causal_one_pass`: no weight is cut), each pass as three loops (beyond the window / inside it / at the causal
+    limit).
     `band_h`: the head's band row in log2 units (every pass adds it after scaling); `TAU_h`: the head's tau.
     PAGE_SIZE > 0: K and V are a paged cache (`_load_keys`). Returns `(acc [BM, BLOCK_D] float32, u, alive [BM],
     lse2 [BM])`; `u = sum_j m_ij v_j` (float32) with `STORE_U`, zeros otherwise."""
@@ -282,32 +350,49 @@ def causal_passes(q, q_pos, K, V, stride_kt, stride_vt, band_h, TAU_h, m0, Tq, T
     band = band_h + (BLOCK_M + BLOCK_N) + m0 + Tk - Tq  # band of distance m0 + offset - start_n
     diagonal = offs_m[:, None] - tl.arange(0, BLOCK_N)[None, :]  # [BM, BN] row - column
 
-    m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)  # finite: a tile of -inf scores keeps exp2() at 0, never NaN
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    m_i, l_i = _causal_lse_tiles(q, m_i, l_i, K, stride_kt, band, diagonal, 0, far, Tk, scale_log2,
-                                 BLOCK_N, BLOCK_D, D, False, False, UPCAST, PRECISION, BT, stride_kb, PAGE_SIZE)
-    m_i, l_i = _causal_lse_tiles(q, m_i, l_i, K, stride_kt, band, diagonal, far, full, Tk, scale_log2,
-                                 BLOCK_N, BLOCK_D, D, True, False, UPCAST, PRECISION, BT, stride_kb, PAGE_SIZE)
-    m_i, l_i = _causal_lse_tiles(q, m_i, l_i, K, stride_kt, band, diagonal, full, hi, Tk, scale_log2,
-                                 BLOCK_N, BLOCK_D, D, True, True, UPCAST, PRECISION, BT, stride_kb, PAGE_SIZE)
-    # a row whose scores are all -inf has no normaliser: p = 0 on every key and no weight (threshold 0 here; the
-    # stored LSE is DEAD_ROW_LSE, which both backwards recognise)
-    alive = l_i > 0.0
-    lse2 = tl.where(alive, m_i + tl.log2(tl.where(alive, l_i, 1.0)), float("inf"))
-    threshold = tl.where(alive, tl.load(TAU_h) / (q_pos + 1).to(tl.float32), 0.0)
-
     q_key_idx = rows + Tk - Tq
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    u = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    acc, u = _causal_out_tiles(q, acc, u, K, V, stride_kt, stride_vt, band, diagonal, q_key_idx, lse2, threshold, 0,
-                               far, Tk, scale_log2, BLOCK_N, BLOCK_D, D, False, False, UPCAST, PRECISION,
-                               BT, stride_kb, stride_vb, PAGE_SIZE, STORE_U)
-    acc, u = _causal_out_tiles(q, acc, u, K, V, stride_kt, stride_vt, band, diagonal, q_key_idx, lse2, threshold, far,
-                               full, Tk, scale_log2, BLOCK_N, BLOCK_D, D, True, False, UPCAST, PRECISION,
-                               BT, stride_kb, stride_vb, PAGE_SIZE, STORE_U)
-    acc, u = _causal_out_tiles(q, acc, u, K, V, stride_kt, stride_vt, band, diagonal, q_key_idx, lse2, threshold,
-                               full, hi, Tk, scale_log2, BLOCK_N, BLOCK_D, D, True, True, UPCAST, PRECISION,
-                               BT, stride_kb, stride_vb, PAGE_SIZE, STORE_U)
+    tau = tl.load(TAU_h)
+    if tau >= 0.0:  # no ReLU cut: one pass (`_causal_one_pass`); U whenever the output needs it or training stores it
+        if STORE_U:
+            acc, u, alive, lse2 = _causal_one_pass(q, q_pos, tau, K, V, stride_kt, stride_vt, band, diagonal,
+                                                   q_key_idx, far, full, hi, Tk, scale_log2, BLOCK_M, BLOCK_N,
+                                                   BLOCK_D, D, True, UPCAST, PRECISION, BT, stride_kb, stride_vb,
+                                                   PAGE_SIZE)
+        elif tau > 0.0:
+            acc, u, alive, lse2 = _causal_one_pass(q, q_pos, tau, K, V, stride_kt, stride_vt, band, diagonal,
+                                                   q_key_idx, far, full, hi, Tk, scale_log2, BLOCK_M, BLOCK_N,
+                                                   BLOCK_D, D, True, UPCAST, PRECISION, BT, stride_kb, stride_vb,
+                                                   PAGE_SIZE)
+        else:
+            acc, u, alive, lse2 = _causal_one_pass(q, q_pos, tau, K, V, stride_kt, stride_vt, band, diagonal,
+                                                   q_key_idx, far, full, hi, Tk, scale_log2, BLOCK_M, BLOCK_N,
+                                                   BLOCK_D, D, False, UPCAST, PRECISION, BT, stride_kb, stride_vb,
+                                                   PAGE_SIZE)
+    else:
+        m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)  # finite: a tile of -inf scores keeps exp2() at 0, never NaN
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        m_i, l_i = _causal_lse_tiles(q, m_i, l_i, K, stride_kt, band, diagonal, 0, far, Tk, scale_log2, BLOCK_N,
+                                     BLOCK_D, D, False, False, UPCAST, PRECISION, BT, stride_kb, PAGE_SIZE)
+        m_i, l_i = _causal_lse_tiles(q, m_i, l_i, K, stride_kt, band, diagonal, far, full, Tk, scale_log2, BLOCK_N,
+                                     BLOCK_D, D, True, False, UPCAST, PRECISION, BT, stride_kb, PAGE_SIZE)
+        m_i, l_i = _causal_lse_tiles(q, m_i, l_i, K, stride_kt, band, diagonal, full, hi, Tk, scale_log2, BLOCK_N,
+                                     BLOCK_D, D, True, True, UPCAST, PRECISION, BT, stride_kb, PAGE_SIZE)
+        # a row whose scores are all -inf has no normaliser: p = 0 on every key and no weight (threshold 0 here; the
+        # stored LSE is DEAD_ROW_LSE, which both backwards recognise)
+        alive = l_i > 0.0
+        lse2 = tl.where(alive, m_i + tl.log2(tl.where(alive, l_i, 1.0)), float("inf"))
+        threshold = tl.where(alive, tau / (q_pos + 1).to(tl.float32), 0.0)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        u = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        acc, u = _causal_out_tiles(q, acc, u, K, V, stride_kt, stride_vt, band, diagonal, q_key_idx, lse2,
+                                   threshold, 0, far, Tk, scale_log2, BLOCK_N, BLOCK_D, D, False, False, UPCAST,
+                                   PRECISION, BT, stride_kb, stride_vb, PAGE_SIZE, STORE_U)
+        acc, u = _causal_out_tiles(q, acc, u, K, V, stride_kt, stride_vt, band, diagonal, q_key_idx, lse2,
+                                   threshold, far, full, Tk, scale_log2, BLOCK_N, BLOCK_D, D, True, False, UPCAST,
+                                   PRECISION, BT, stride_kb, stride_vb, PAGE_SIZE, STORE_U)
+        acc, u = _causal_out_tiles(q, acc, u, K, V, stride_kt, stride_vt, band, diagonal, q_key_idx, lse2,
+                                   threshold, full, hi, Tk, scale_log2, BLOCK_N, BLOCK_D, D, True, True, UPCAST,
+                                   PRECISION, BT, stride_kb, stride_vb, PAGE_SIZE, STORE_U)
     return acc, u, alive, lse2
 
 

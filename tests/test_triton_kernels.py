@@ -305,6 +305,28 @@ def causal_fast_path(kernels):
     return errors
 
 
+def causal_fast_path_minus_inf_bias(kernels):
+    """Heads with tau >= 0 run the causal forward in one pass (no weight is cut there): with tau = 0 a key whose bias
+    is -inf has weight 0 and no share of U (so none of d tau), with tau > 0 it keeps tau/n; against the float64
+    reference with -inf at some distances inside the window of every head, tau 0, > 0 and < 0, both block tables,
+    all three key ranges, fresh inputs (the seed is in the result)."""
+    import modeling_lazy.lazy_attention_triton_common as common
+
+    seed = int(torch.randint(0, 2**31 - 1, ()))
+    family, errors = common._gpu_family, {"seed": seed}
+    try:
+        for blocks in ("sm90", "sm80"):
+            common._gpu_family = lambda device, blocks=blocks: blocks
+            inputs = make_inputs(1, 4, 2, 203, 203, 64, 40, torch.float32, [0.0, 0.5, -1.0, 0.0], seed=seed)
+            bias = inputs[4]
+            for head, distances in enumerate([[1, 5, 6, 7, 30], [2, 9, 39], [3, 4, 20], [1, 2, 3, 38, 39]]):
+                bias[head, distances] = float("-inf")
+            errors[blocks] = check(kernels, inputs, metadata(1, 203, 203), torch.float32, causal=True)
+    finally:
+        common._gpu_family = family
+    return errors
+
+
 def document_metadata(kind, bsz, length):
     """`(q_pos, k_pos, q_seg, k_seg)` of a documents layout, as the model builds it from a padding mask and/or
     restarting positions (the oracle's `token_layout`): packed documents of mixed lengths (1-token documents, one
@@ -1011,6 +1033,7 @@ CASES = {
     "dead-rows-and-longer-key-buffer": dead_rows_and_longer_key_buffer,
     "causal-fast-path": causal_fast_path,
     "causal-forward-stores-u": causal_forward_stores_u,
+    "causal-fast-path-minus-inf-bias": causal_fast_path_minus_inf_bias,
     "documents-fast-path": documents_fast_path,
     "model-workloads-take-the-document-path": model_workloads_take_the_document_path,
     "packed-decode-reference": packed_decode_matches_reference,
