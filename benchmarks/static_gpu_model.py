@@ -344,6 +344,7 @@ class Problem:
     dim: int
     window: int = 1024
     documents: tuple = ()
+    tau: float = -1.0  # every head's (the causal forward's branch: `_lazy_causal_fwd_work`)
 
     @property
     def groups(self) -> int:
@@ -353,7 +354,7 @@ class Problem:
 @dataclass
 class Work:
     programs: int
-    iterations: list  # per tensor-core loop (address order), summed over programs
+    iterations: list  # per tensor-core loop (address order), summed over programs; or per pass of the causal forward
     dram_bytes: float
     tile: tuple  # (rows, cols) of the score tile of one loop iteration
 
@@ -394,15 +395,20 @@ def _causal_ranges(p: Problem, m0: int, bm: int, bn: int) -> tuple[int, int, int
 
 
 def _lazy_causal_fwd_work(p: Problem, blocks, sms, store_u: bool = False):
-    """Pass 1 and pass 2, each: beyond the window, inside it, at the causal limit. `store_u` (training): U written
-    too (bf16, as O)."""
+    """Three loops per pass (beyond the window, inside it, at the causal limit): pass 1 and pass 2 (tau < 0), or the
+    one pass (tau = 0, or with `store_u` tau >= 0): `p.tau` picks the branch every program takes; the iterations
+    are given per pass (`causal_forward_passes` finds each pass's loops). `store_u` (training): U written too (bf16,
+    as O)."""
     bm, bn = blocks
     ranges = [_causal_ranges(p, m * bm, bm, bn) for m in range(_cdiv(p.length, bm))]
     bh = p.batch * p.heads
     per_loop = [bh * sum(r[i] for r in ranges) for i in range(3)]
+    one_pass = p.tau == 0 or (store_u and p.tau > 0)
+    iterations = {"pass 1": [0] * 3 if one_pass else per_loop, "pass 2": [0] * 3 if one_pass else per_loop,
+                  "one pass": per_loop if one_pass else [0] * 3}
     qkvo = _bytes(2 * bh * p.length * p.dim, 2 * p.batch * p.kv_heads * p.length * p.dim)
     u = 2 * bh * p.length * p.dim if store_u else 0
-    return Work(bh * len(ranges), per_loop * 2, qkvo + u + 4 * bh * p.length, (bm, bn))
+    return Work(bh * len(ranges), iterations, qkvo + u + 4 * bh * p.length, (bm, bn))
 
 
 def _lazy_causal_delta_work(p: Problem, blocks, sms):
@@ -594,15 +600,20 @@ FA2 = {
     "bwd": KernelSpec("FA2-style bwd", "fa2", "_fa2_bwd_kernel", "bwd", _fa2_bwd_work),
     "decode": KernelSpec("FA2-style decode", "fa2", "_flash_decode_kernel", "decode", _fa2_decode_work),
 }
+# The plain scenarios give every head tau = -1 (the causal forward's two passes); these rows (causal fast path, L 4k)
+# give every head tau = 0 (its one pass)
+TAU_ROWS = ("forward, tau = 0", "training, tau >= 0")
 # Scenario -> kernels run, for each implementation
 SCENARIOS = {
     "lazy (general)": {"forward": ["fwd"], "training": ["fwd", "delta", "dq", "dkdv"], "decode": ["decode"]},
     "lazy (causal fast path)": {"forward": ["fwd"], "training": ["fwd_u", "delta", "dq", "dkdv"],
-                                "decode": ["decode_lse", "decode_out"]},
+                                "decode": ["decode_lse", "decode_out"], "forward, tau = 0": ["fwd"],
+                                "training, tau >= 0": ["fwd_u", "delta", "dq", "dkdv"]},
     "lazy (per document)": {"packed training": ["fwd_u", "delta", "dq", "dkdv"],
                             "padded training": ["fwd_u", "delta", "dq", "dkdv"]},
     "FA2-style": {"forward": ["fwd"], "training": ["fwd", "preprocess", "bwd"], "decode": ["decode"],
-                  "packed training": ["fwd", "preprocess", "bwd"], "padded training": ["fwd", "preprocess", "bwd"]},
+                  "packed training": ["fwd", "preprocess", "bwd"], "padded training": ["fwd", "preprocess", "bwd"],
+                  "forward, tau = 0": ["fwd"], "training, tau >= 0": ["fwd", "preprocess", "bwd"]},
 }
 IMPLEMENTATIONS = {"lazy (general)": LAZY_GENERAL, "lazy (causal fast path)": LAZY_FAST,
                    "lazy (per document)": LAZY_DOCUMENTS, "FA2-style": FA2}
@@ -659,8 +670,37 @@ def analyse_all(jobs, workers: int):
 # ---------------------------------------------------------------------------------------------------
 
 
+def causal_forward_passes(code: KernelCode, tile: tuple) -> dict:
+    """The causal forward's tensor-core loops (address order) by pass, three each (beyond the window, inside it, at
+    the causal limit; in that order within a pass, while the compiler may lay out the passes in either order): "pass
+    1" does the least tensor-core work (q k^T alone), "one pass" (FlashAttention-2's online
+    softmax rescales its accumulator: more float32 arithmetic per score), "pass 2" the rest. A build whose blocks
+    have no one pass (`causal_passes`) has pass 1 and pass 2 only ("one pass": [])."""
+    if len(code.loops) not in (6, 9):
+        raise RuntimeError(f"{code.name}: the causal forward has {len(code.loops)} tensor-core loops, the model "
+                           "expects 9, or 6 where it has no one pass (did the kernel change?)")
+    groups = [list(range(i, i + 3)) for i in range(0, len(code.loops), 3)]
+    flop = [sum(code.loops[g[0]].tensor_flop.values()) for g in groups]
+    passes = {"pass 1": groups.pop(flop.index(min(flop)))}
+    if len(groups) == 1:
+        return passes | {"pass 2": groups[0], "one pass": []}
+    fp32 = [per_element(code, g[0], tile)["fp32"] for g in groups]  # the one pass also rescales its accumulator
+    if fp32[0] == fp32[1]:
+        raise RuntimeError(f"{code.name}: cannot tell the one pass from pass 2 ({fp32})")
+    return passes | {"one pass": groups[fp32.index(max(fp32))], "pass 2": groups[fp32.index(min(fp32))]}
+
+
 def kernel_time(code: KernelCode, work: Work, arch: int) -> dict:
     """Modelled seconds of one launch: SM cycles (serial model) over all SMs, or DRAM time if larger."""
+    if isinstance(work.iterations, dict):  # per pass of the causal forward: in the loops' order
+        iterations, passes = [0] * len(code.loops), causal_forward_passes(code, work.tile)
+        for name, loops in passes.items():
+            for index, n in zip(loops, work.iterations[name]):
+                iterations[index] += n
+        if not passes["one pass"]:  # a build without it runs its problems in two passes
+            for index, n in zip(passes["pass 1"] + passes["pass 2"], work.iterations["one pass"] * 2):
+                iterations[index] += n
+        work = replace(work, iterations=iterations)
     if len(work.iterations) != len(code.loops):
         raise RuntimeError(f"{code.name} (sm_{arch}): the model expects {len(work.iterations)} tensor-core loops, "
                            f"the SASS has {len(code.loops)} (did the kernel change? update its Work function)")
@@ -709,7 +749,10 @@ def problem_work(spec: KernelSpec, problem: Problem, blocks: tuple, sms: int) ->
         entries = len(problem.documents) + len(padding)
         upper = (problem.batch * problem.length + entries * (rows - 1)) // rows
         programs += problem.heads * (upper - sum(_cdiv(n, rows) for n in problem.documents))  # spares, padding
-    iterations = [sum(w.iterations[i] for w in works) for i in range(len(works[0].iterations))]
+    if isinstance(works[0].iterations, dict):
+        iterations = {k: [sum(w.iterations[k][i] for w in works) for i in range(3)] for k in works[0].iterations}
+    else:
+        iterations = [sum(w.iterations[i] for w in works) for i in range(len(works[0].iterations))]
     return Work(programs, iterations, dram_bytes, works[0].tile)
 
 
@@ -800,10 +843,13 @@ def build_report(archs, dims, workers) -> dict:
         block_m, block_n, warps, stages = blocks_of(spec, arch, dim)
         work = spec.work(prefill_problem(4096, dim) if not key.startswith("decode") else decode_problem(32768, dim),
                          (block_m, block_n), MACHINES[arch].sms)
+        passes = ({i: name for name, group in causal_forward_passes(code, work.tile).items() for i in group}
+                  if isinstance(work.iterations, dict) else {})
         loops = []
         for index, loop in enumerate(code.loops):
             cyc = loop.cycles(arch, code.num_warps)
-            loops.append({"counts_per_warp": loop.counts, "instructions_per_warp": loop.instructions,
+            loops.append({"pass": passes.get(index), "counts_per_warp": loop.counts,
+                          "instructions_per_warp": loop.instructions,
                           "per_score_element": per_element(code, index, work.tile),
                           "cycles_per_iteration": cyc, "pipelined_loads": loop.counts.get("async_copy", 0),
                           "ldg": loop.counts.get("ldg", 0), "atomics": loop.counts.get("atomic", 0)})
@@ -817,6 +863,7 @@ def build_report(archs, dims, workers) -> dict:
         for dim in dims:
             rows = [("forward", L, prefill_problem(L, dim)) for L in PREFILL_LENGTHS]
             rows += [("training", L, prefill_problem(L, dim)) for L in PREFILL_LENGTHS]
+            rows += [(scenario, 4096, replace(prefill_problem(4096, dim), tau=0.0)) for scenario in TAU_ROWS]
             rows += [("decode", L, decode_problem(L, dim)) for L in DECODE_LENGTHS]
             rows += [(scenario, problem.batch * problem.length, problem)
                      for scenario in ("packed training", "padded training")
@@ -845,7 +892,8 @@ def markdown(report: dict) -> str:
         for i, loop in enumerate(k["loops"]):
             e = loop["per_score_element"]
             lines.append(
-                f"| {k['kernel']} | sm_{k['arch']} | {k['dim']} | {k['tile'][0]}x{k['tile'][1]} | {k['warps']} | {i} | "
+                f"| {k['kernel']} | sm_{k['arch']} | {k['dim']} | {k['tile'][0]}x{k['tile'][1]} | {k['warps']} | {i}"
+                + (f" ({loop['pass']})" if loop.get("pass") else "") + " | "
                 f"{e['total']:.1f} | " + " | ".join(f"{e[c]:.2f}" for c in
                                                     ("tensor", "mufu", "fp32", "fcmp", "isetp/sel", "int", "addr64",
                                                      "ldg", "async_copy", "atomic", "shared", "shfl"))

@@ -304,7 +304,7 @@ def _causal_one_pass(q, q_pos, tau, K, V, stride_kt, stride_vt, band, diagonal, 
                      BT=None, stride_kb=0, stride_vb=0, PAGE_SIZE: tl.constexpr = 0):
     """`causal_passes` for a head with tau >= 0, in one pass: there the ReLU never cuts (p + tau/n >= 0), so
     `O_i = sum_j p_ij v_j + (tau/n_i) U_i` with U_i the sum of the visible values (tau > 0), and the weights need
-    no normaliser before they are used. `WITH_U` must hold when tau > 0."""
+    no normaliser before they are used. `WITH_U` (U computed and returned) must hold when tau > 0."""
     m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -338,9 +338,9 @@ def causal_passes(q, q_pos, K, V, stride_kt, stride_vt, band_h, TAU_h, m0, Tq, T
                    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
                    BT=None, stride_kb=0, stride_vb=0, PAGE_SIZE: tl.constexpr = 0, STORE_U: tl.constexpr = False):
     """The causal fast path for the query rows [m0, m0 + BM) of one head (row i at key index i + Tk - Tq,
-    n = q_pos + 1): with tau < 0 two passes (the row log-sum-exp, then `ReLU(p + tau/n) @ V`), with tau >= 0 one
-    (`_causal_one_pass`: no weight is cut), each pass as three loops (beyond the window / inside it / at the causal
-    limit).
+    n = q_pos + 1): two passes (the row log-sum-exp, then `ReLU(p + tau/n) @ V`), or one (`_causal_one_pass`: no
+    weight is cut) at tau = 0 without `STORE_U`, at tau >= 0 with it (at blocks of up to 128 x 64 rows x dims);
+    each pass as three loops (beyond the window / inside it / at the causal limit).
     `band_h`: the head's band row in log2 units (every pass adds it after scaling); `TAU_h`: the head's tau.
     PAGE_SIZE > 0: K and V are a paged cache (`_load_keys`). Returns `(acc [BM, BLOCK_D] float32, u, alive [BM],
     lse2 [BM])`; `u = sum_j m_ij v_j` (float32) with `STORE_U`, zeros otherwise."""
@@ -352,22 +352,18 @@ def causal_passes(q, q_pos, K, V, stride_kt, stride_vt, band_h, TAU_h, m0, Tq, T
 
     q_key_idx = rows + Tk - Tq
     tau = tl.load(TAU_h)
-    if tau >= 0.0:  # no ReLU cut: one pass (`_causal_one_pass`); U whenever the output needs it or training stores it
-        if STORE_U:
-            acc, u, alive, lse2 = _causal_one_pass(q, q_pos, tau, K, V, stride_kt, stride_vt, band, diagonal,
-                                                   q_key_idx, far, full, hi, Tk, scale_log2, BLOCK_M, BLOCK_N,
-                                                   BLOCK_D, D, True, UPCAST, PRECISION, BT, stride_kb, stride_vb,
-                                                   PAGE_SIZE)
-        elif tau > 0.0:
-            acc, u, alive, lse2 = _causal_one_pass(q, q_pos, tau, K, V, stride_kt, stride_vt, band, diagonal,
-                                                   q_key_idx, far, full, hi, Tk, scale_log2, BLOCK_M, BLOCK_N,
-                                                   BLOCK_D, D, True, UPCAST, PRECISION, BT, stride_kb, stride_vb,
-                                                   PAGE_SIZE)
+    # the one pass needs U for tau > 0 and, storing U, a second [BM, D] float32 accumulator: where that is larger
+    # than 128 x 64 (the inference blocks, the sm_90 training blocks at D 128) it spills, and two passes run instead
+    one_pass = tau == 0.0
+    if STORE_U:
+        if BLOCK_M * BLOCK_D <= 128 * 64:
+            one_pass = tau >= 0.0
         else:
-            acc, u, alive, lse2 = _causal_one_pass(q, q_pos, tau, K, V, stride_kt, stride_vt, band, diagonal,
-                                                   q_key_idx, far, full, hi, Tk, scale_log2, BLOCK_M, BLOCK_N,
-                                                   BLOCK_D, D, False, UPCAST, PRECISION, BT, stride_kb, stride_vb,
-                                                   PAGE_SIZE)
+            one_pass = False
+    if one_pass:  # no ReLU cut: `_causal_one_pass`
+        acc, u, alive, lse2 = _causal_one_pass(q, q_pos, tau, K, V, stride_kt, stride_vt, band, diagonal, q_key_idx,
+                                               far, full, hi, Tk, scale_log2, BLOCK_M, BLOCK_N, BLOCK_D, D, STORE_U,
+                                               UPCAST, PRECISION, BT, stride_kb, stride_vb, PAGE_SIZE)
     else:
         m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)  # finite: a tile of -inf scores keeps exp2() at 0, never NaN
         l_i = tl.zeros([BLOCK_M], tl.float32)
