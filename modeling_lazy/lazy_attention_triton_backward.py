@@ -244,9 +244,11 @@ def _lazy_bwd_dkdv_kernel(Q, K, V, TAU, BIAS, QPOS, KPOS, QSEG, KSEG, LSE, DELTA
 #     _lazy_causal_bwd_dkdv_kernel    dk, dv terms per key tile and query head (GQA: summed by the launcher) on
 #                                     transposed tiles; query tiles at the causal limit, in the window, beyond it
 # d distance_bias, in the dq kernel: a (query tile, key tile) pair holds only BM + BN - 1 distances,
-# base + (r - c) (base = m0 + offset - n0). `_diagonal_sums` shears the dS tile (row r + c mod BM of column c) so
-# that each row of the result holds one diagonal, or (wrapped entries) the diagonal BM below it: two [BM] float32
-# atomics per tile into the query tile's private row instead of one per score. Key tiles beyond the window have
+# base + (r - c) (base = m0 + offset - n0). `_diagonal_sums` cuts the dS tile into square S x S blocks (S = 32, or BN
+# if smaller) and shears each along its rows (entry (r, (r + c) mod S) to column c), so that each column of a block
+# holds two diagonals, told apart by whether r + c wraps: the shear stays inside a warp's rows (one shuffle per
+# score where a row's S columns sit one per lane) and a tile gives 2 BM BN / S float32 atomics into the query
+# tile's private row instead of one per score. Key tiles beyond the window have
 # no bias and no bias gradient.
 # ---------------------------------------------------------------------------------------------------
 
@@ -266,14 +268,18 @@ def _causal_bwd_tile(x, y, band, start, diagonal, visible, lse2, threshold, scal
 
 
 @triton.jit
-def _diagonal_sums(t, ROWS: tl.constexpr, COLS: tl.constexpr):
-    """`(near, wrapped)` `[ROWS]` float32 sums of a `[ROWS, COLS]` tile (COLS <= ROWS) along its diagonals: near[r]
-    of the entries with row - column = r, wrapped[r] of those with row - column = r - ROWS."""
-    r = tl.arange(0, ROWS)[:, None]
-    c = tl.arange(0, COLS)[None, :]
-    sheared = tl.gather(t, (r + c) % ROWS, 0)  # sheared[r, c] = t[(r + c) mod ROWS, c]
-    wrap = r + c >= ROWS
-    return tl.sum(tl.where(wrap, 0.0, sheared), 1), tl.sum(tl.where(wrap, sheared, 0.0), 1)
+def _diagonal_sums(t, ROWS: tl.constexpr, COLS: tl.constexpr, S: tl.constexpr):
+    """`(near, far)` `[ROWS // S, COLS // S, S]` float32 sums of a `[ROWS, COLS]` tile along its diagonals, by
+    square `S x S` blocks (a, e): near[a, e, c] of the block's entries with row - column = S (a - e) - c, far[a, e, c]
+    of those with row - column = S (a - e) + S - c (rows and columns of the whole tile). Each block is sheared
+    along its rows (entry (r, (r + c) mod S) to column c), which keeps every exchange inside a warp's rows, then
+    summed down its columns."""
+    blocks = tl.permute(tl.reshape(t, [ROWS // S, S, COLS // S, S]), [0, 2, 1, 3])
+    r = tl.arange(0, S)[None, None, :, None]
+    c = tl.arange(0, S)[None, None, None, :]
+    sheared = tl.gather(blocks, tl.broadcast_to((r + c) % S, [ROWS // S, COLS // S, S, S]), 3)
+    near = tl.sum(tl.where(r + c < S, sheared, 0.0), 2)
+    return near, tl.sum(sheared, 2) - near
 
 
 @triton.jit
@@ -294,11 +300,13 @@ def _causal_bwd_query_tiles(q, do, lse2, threshold, delta, acc, K, V, stride_kt,
         dp = tl.where(alive, _dot(do, tl.trans(v), UPCAST, PRECISION), 0.0)
         ds = p * (dp - delta[:, None])
         acc = _dot(ds.to(k.dtype), k, UPCAST, PRECISION, acc)
-        if BIAS:  # two [BM] atomics per tile, into the program's private row
-            near, wrapped = _diagonal_sums(ds, BLOCK_M, BLOCK_N)
-            dist = base - start_n + tl.arange(0, BLOCK_M)
+        if BIAS:  # 2 BM BN / S atomics per tile, into the program's private row
+            S: tl.constexpr = min(BLOCK_N, 32)
+            near, far = _diagonal_sums(ds, BLOCK_M, BLOCK_N, S)
+            blocks = tl.arange(0, BLOCK_M // S)[:, None, None] - tl.arange(0, BLOCK_N // S)[None, :, None]
+            dist = base - start_n + blocks * S - tl.arange(0, S)[None, None, :]
             tl.atomic_add(dbias_row + dist, near, mask=(dist >= 0) & (dist < W))
-            tl.atomic_add(dbias_row + dist - BLOCK_M, wrapped, mask=(dist >= BLOCK_M) & (dist - BLOCK_M < W))
+            tl.atomic_add(dbias_row + dist + S, far, mask=(dist + S >= 0) & (dist + S < W))
     return acc
 
 
@@ -362,7 +370,7 @@ def _lazy_causal_bwd_dq_kernel(Q, K, V, TAU, BAND, QPOS, QSEG, LSE, DO, DELTA, D
     ranges, and the query tile's d distance_bias partial, a private float32 row of DBIAS_PART
     [programs, W] (which no other program adds to). Grid (cdiv(Tq, BM), B * Hq), or with `DOCUMENTS` (see
     `_lazy_causal_fwd_kernel`) (len(TILES), Hq)."""
-    tl.static_assert(BLOCK_N <= BLOCK_M)  # `_diagonal_sums` wraps each column at most once
+    tl.static_assert(BLOCK_N <= BLOCK_M)  # `_diagonal_sums`' square blocks tile the dS tile
     if DOCUMENTS:
         h = tl.program_id(1).to(tl.int64)
         doc = tl.load(TILES + 2 * tl.program_id(0))
