@@ -413,15 +413,19 @@ def _lazy_causal_fwd_work(p: Problem, blocks, sms, store_u: bool = False):
 
 def _lazy_causal_delta_work(p: Problem, blocks, sms):
     """Causal Delta from U: one query tile per program, no key loop; reads O, dO and U (bf16) of every row, or with
-    `documents` of the rows in a document (QSEG, read for every token, says which), and the LSE; writes Delta and
-    the threshold, and with documents the padding's zero dq, dk and dv (bf16; MHA)."""
+    `documents` of the rows in a document (QSEG, read for every token, says which), and the LSE; writes Delta, the
+    threshold and a copy of the LSE, and with documents the padding's zero dq, dk and dv (bf16; MHA). Without
+    documents the threshold and LSE rows run one dk/dv query tile past the end (one more program per row of heads
+    at the shipped blocks, whose Delta tiles are at least as tall)."""
     bm, _ = blocks
     rows = p.batch * p.length
     useful = sum(p.documents) if p.documents else rows
     per_token = 4 * (2 if p.documents else 1)  # QPOS (and QSEG)
     zeros = 3 * 2 * (rows - useful) * p.dim
-    return Work(p.batch * p.heads * _cdiv(p.length, bm), [],
-                p.heads * ((2 + 2 + 2) * useful * p.dim + (4 + 4 + 4) * rows + zeros) + per_token * rows, (bm, p.dim))
+    programs = p.batch * p.heads * (_cdiv(p.length, bm) + (0 if p.documents else 1))
+    return Work(programs, [],
+                p.heads * ((2 + 2 + 2) * useful * p.dim + (4 + 4 + 4 + 4) * rows + zeros) + per_token * rows,
+                (bm, p.dim))
 
 
 def _lazy_causal_bwd_query_work(p: Problem, blocks, sms, writes_dq: bool):

@@ -311,16 +311,19 @@ def _causal_bwd_query_tiles(q, do, lse2, threshold, delta, acc, K, V, stride_kt,
 
 
 @triton.jit
-def _lazy_causal_bwd_delta_kernel(OUT, U, DO, TAU, QPOS, QSEG, LSE, DELTA, THR, DTAU_PART, DQ, DK, DV, stride_ob,
-                                  stride_oh, stride_ot, stride_dob, stride_doh, stride_dot, stride_qb, stride_qh,
-                                  stride_qt, stride_dkb, stride_dkh, stride_dkt, Hq, Tq, BLOCK_M: tl.constexpr,
-                                  BLOCK_D: tl.constexpr, D: tl.constexpr, DOCUMENTS: tl.constexpr = False):
+def _lazy_causal_bwd_delta_kernel(OUT, U, DO, TAU, QPOS, QSEG, LSE, DELTA, THR, LSE_ROWS, DTAU_PART, DQ, DK, DV,
+                                  stride_ob, stride_oh, stride_ot, stride_dob, stride_doh, stride_dot, stride_qb,
+                                  stride_qh, stride_qt, stride_dkb, stride_dkh, stride_dkt, Hq, Tq, T_ROWS,
+                                  BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, D: tl.constexpr,
+                                  DOCUMENTS: tl.constexpr = False):
     """Causal fast path's Delta from the forward's U (the U identity, docs/design.md): with t_i = tau_h / n_i,
     `Delta_i = dO_i . (O_i - t_i U_i)` (= sum_j m p dP) and the tile's d tau partial `sum_i dO_i . U_i / n_i`
     (= sum_i sum_j m dP / n_i). OUT, U, DO `[B, Tq, Hq, D]` (strides `stride_o*` for OUT and U). No pass over the
     keys. O and U are read as stored (the input dtype, as FlashAttention's rowsum(dO * O) reads O). Also
-    each row's threshold THR `[B, Hq, Tq]` (`_row_threshold`, the forward's: -1e30 for a dead row), which the dk/dv
-    kernel reads instead of dividing in every tile. Grid (cdiv(Tq, BM), B * Hq). `DOCUMENTS`: rows of no document
+    each row's threshold THR `[B, Hq, T_ROWS]` (`_row_threshold`, the forward's: -1e30 for a dead row), which the
+    dk/dv kernel reads instead of dividing in every tile, and a copy of LSE, LSE_ROWS `[B, Hq, T_ROWS]`: rows Tq ..
+    T_ROWS - 1 (T_ROWS >= Tq) get a dead row's (-1e30, DEAD_ROW_LSE), so a tile past the end reads them unmasked.
+    Grid (cdiv(T_ROWS, BM), B * Hq). `DOCUMENTS`: rows of no document
     (QSEG < 0: padding, whose O and U the forward wrote 0) read no O, U or dO (their Delta and d tau terms are 0),
     and get their gradients here: 0 into DQ (the query's strides, `stride_q*`), DK and DV (`[B, Hq, Tk = Tq, D]`,
     strides `stride_dk*`: the dk/dv kernel's outputs), which the dq and dk/dv kernels' work lists leave out."""
@@ -351,7 +354,9 @@ def _lazy_causal_bwd_delta_kernel(OUT, U, DO, TAU, QPOS, QSEG, LSE, DELTA, THR, 
     inv_n = 1.0 / (q_pos + 1).to(tl.float32)
     tau_h = tl.load(TAU + h)
     lse = tl.load(LSE + pid_bh.to(tl.int64) * Tq + rows, mask=row_mask, other=_DEAD_ROW_LSE)
-    tl.store(THR + pid_bh.to(tl.int64) * Tq + rows, _row_threshold(tau_h, q_pos, lse), mask=row_mask)
+    padded_rows = pid_bh.to(tl.int64) * T_ROWS + rows
+    tl.store(THR + padded_rows, _row_threshold(tau_h, q_pos, lse), mask=rows < T_ROWS)
+    tl.store(LSE_ROWS + padded_rows, lse, mask=rows < T_ROWS)
     do_u = tl.sum(do * u, 1)
     tl.store(DELTA + pid_bh.to(tl.int64) * Tq + rows, tl.sum(do * o, 1) - tau_h * inv_n * do_u,
              mask=row_mask)
@@ -425,11 +430,13 @@ def _lazy_causal_bwd_dq_kernel(Q, K, V, TAU, BAND, QPOS, QSEG, LSE, DO, DELTA, D
 def _causal_dkdv_tiles(dk, dv, k, v, Q, DO, THR, LSE, DELTA, band, n0, lo, hi, Tq, offset, stride_qt,
                        stride_dot, scale_log2, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                        D: tl.constexpr, BIAS: tl.constexpr, DIAGONAL: tl.constexpr, UPCAST: tl.constexpr,
-                       PRECISION: tl.constexpr):
+                       PRECISION: tl.constexpr, MASK_ROWS: tl.constexpr):
     """Query tiles [lo, hi) (step BM) of one key tile and one query head, on transposed `[BN, BM]` tiles:
     dk += dS^T Q, dv += a^T dO. Rows past Tq (last tile) read row Tq - 1 instead of masking (masked tile loads
-    cost registers); their dead-row LSE and threshold make p = 0 and m = 0, so they add nothing. The thresholds come
-    from THR (the Delta kernel's): a division here would run per score element of the transposed tile."""
+    cost registers); their dead-row LSE and threshold make p = 0 and m = 0, so they add nothing: read from the
+    Delta kernel's padded rows, or with `MASK_ROWS` (a document's rows are followed by the next document's) set by
+    a masked load, a select per loaded value. The thresholds come from THR (the Delta kernel's): a division here
+    would run per score element of the transposed tile."""
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     keys = n0 + tl.arange(0, BLOCK_N)
@@ -439,8 +446,12 @@ def _causal_dkdv_tiles(dk, dv, k, v, Q, DO, THR, LSE, DELTA, band, n0, lo, hi, T
         rows_in = tl.minimum(rows, Tq - 1)
         q = _load_keys(Q, stride_qt, rows_in, offs_d, Tq, D, BLOCK_D, False)
         do = _load_keys(DO, stride_dot, rows_in, offs_d, Tq, D, BLOCK_D, False)
-        lse = tl.load(LSE + rows, mask=rows < Tq, other=_DEAD_ROW_LSE)
-        threshold = tl.load(THR + rows, mask=rows < Tq, other=-1.0e30)[None, :]
+        if MASK_ROWS:
+            lse = tl.load(LSE + rows, mask=rows < Tq, other=_DEAD_ROW_LSE)
+            threshold = tl.load(THR + rows, mask=rows < Tq, other=-1.0e30)[None, :]
+        else:
+            lse = tl.load(LSE + rows)
+            threshold = tl.load(THR + rows)[None, :]
         p, alive = _causal_bwd_tile(k, q, band + start_m, n0, diagonal, keys[:, None] <= (rows + offset)[None, :],
                                     lse[None, :], threshold, scale_log2, BIAS, DIAGONAL, UPCAST, PRECISION)
         a = tl.maximum(p + threshold, 0.0)
@@ -467,12 +478,12 @@ def _causal_dkdv_tiles(dk, dv, k, v, Q, DO, THR, LSE, DELTA, band, n0, lo, hi, T
 def _lazy_causal_bwd_dkdv_kernel(Q, K, V, BAND, LSE, DELTA, THR, DO, DK, DV, DOCS, TILES,
                                  stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt,
                                  stride_vb, stride_vh, stride_vt, stride_dob, stride_doh, stride_dot,
-                                 stride_dkb, stride_dkh, stride_dkt, Hq, Tq, Tk, W, GROUPS, BAND_LEN, scale_log2,
-                                 scaling, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                                 D: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+                                 stride_dkb, stride_dkh, stride_dkt, Hq, Tq, Tk, T_ROWS, W, GROUPS, BAND_LEN,
+                                 scale_log2, scaling, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                                 BLOCK_D: tl.constexpr, D: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
                                  DOCUMENTS: tl.constexpr = False):
     """Causal fast path of `_lazy_bwd_dkdv_kernel`: the dk, dv terms of one key tile from one query head (the bias
-    gradient comes from the dq kernel). DK, DV `[B, Hq, Tk, D]` (strides `stride_dk*`): the gradients themselves
+    gradient comes from the dq kernel). LSE and THR: the Delta kernel's `[B, Hq, T_ROWS]` rows (LSE_ROWS, THR). DK, DV `[B, Hq, Tk, D]` (strides `stride_dk*`): the gradients themselves
     without GQA, float32 per-query-head terms the launcher sums over each group with it (a loop over the group
     here would keep every loop's invariants live at once: spills). Grid: (cdiv(Tk, BN), B * Hq), or with
     `DOCUMENTS` (see `_lazy_causal_fwd_kernel`; TILES of BN-key tiles) (len(TILES), Hq)."""
@@ -507,17 +518,22 @@ def _lazy_causal_bwd_dkdv_kernel(Q, K, V, BAND, LSE, DELTA, THR, DO, DK, DV, DOC
     far = tl.maximum(near, tl.cdiv(tl.maximum(n0 + BLOCK_N - 1 + W - offset, 0), BLOCK_M) * BLOCK_M)
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
-    row_offs = (b * Hq + h) * Tq + start  # the (batch row, head) row of LSE and DELTA, at the document's start
+    # the last query tile's rows past q_len: a document's are the next document's rows (masked loads); otherwise
+    # the Delta kernel's padding rows, read unmasked where that saves a select per value (D <= 64: at D 128 the
+    # sm_90 build would spill)
+    MASK_ROWS: tl.constexpr = DOCUMENTS or BLOCK_D > 64
+    row_offs = (b * Hq + h) * Tq + start  # the (batch row, head) row of DELTA, at the document's start
+    padded = (b * Hq + h) * T_ROWS + start  # of THR and LSE (padded rows past Tq: unmasked loads at D <= 64)
     args = (k, v, Q + b * stride_qb + h * stride_qh + start * stride_qt,
-            DO + b * stride_dob + h * stride_doh + start * stride_dot, THR + row_offs, LSE + row_offs,
+            DO + b * stride_dob + h * stride_doh + start * stride_dot, THR + padded, LSE + padded,
             DELTA + row_offs, BAND + h * BAND_LEN + (BLOCK_M + BLOCK_N) + offset,
             n0)  # the band pointer + m0: the band of distance m0 + offset - n0
     dk, dv = _causal_dkdv_tiles(dk, dv, *args, first, tl.minimum(near, q_len), q_len, offset, stride_qt, stride_dot,
-                                scale_log2, BLOCK_M, BLOCK_N, BLOCK_D, D, True, True, UPCAST, PRECISION)
+                                scale_log2, BLOCK_M, BLOCK_N, BLOCK_D, D, True, True, UPCAST, PRECISION, MASK_ROWS)
     dk, dv = _causal_dkdv_tiles(dk, dv, *args, near, tl.minimum(far, q_len), q_len, offset, stride_qt, stride_dot,
-                                scale_log2, BLOCK_M, BLOCK_N, BLOCK_D, D, True, False, UPCAST, PRECISION)
+                                scale_log2, BLOCK_M, BLOCK_N, BLOCK_D, D, True, False, UPCAST, PRECISION, MASK_ROWS)
     dk, dv = _causal_dkdv_tiles(dk, dv, *args, far, q_len, q_len, offset, stride_qt, stride_dot,
-                                scale_log2, BLOCK_M, BLOCK_N, BLOCK_D, D, False, False, UPCAST, PRECISION)
+                                scale_log2, BLOCK_M, BLOCK_N, BLOCK_D, D, False, False, UPCAST, PRECISION, MASK_ROWS)
     out = b * stride_dkb + h * stride_dkh + (start + keys)[:, None] * stride_dkt + offs_d[None, :]
     kv_mask = (keys[:, None] < k_len) & (offs_d[None, :] < D)
     tl.store(DK + out, (dk * scaling).to(DK.dtype.element_ty), mask=kv_mask)
@@ -596,7 +612,7 @@ def _causal_backward(grad_out, query, key, value, dq, dk, dv, tau, distance_bias
     bsz, num_heads, q_len, dim = query.shape
     kv_heads, k_len, window = key.shape[1], key.shape[2], distance_bias.shape[-1]
     tau32 = tau.detach().to(torch.float32).contiguous()
-    common = dict(Q=query, K=key, V=value, LSE=lse, DO=grad_out,
+    common = dict(Q=query, K=key, V=value, DO=grad_out,
                   **_strides("q", query), **_strides("k", key), **_strides("v", value),
                   **_strides("do", grad_out, h=2, t=1), Hq=num_heads, Tq=q_len, Tk=k_len, W=window,
                   GROUPS=num_heads // kv_heads, scale_log2=scaling * LOG2E, BLOCK_D=block_d, D=dim, UPCAST=_INTERPRET,
@@ -620,25 +636,29 @@ def _causal_backward(grad_out, query, key, value, dq, dk, dv, tau, distance_bias
     dk_out, dv_out = (dk, dv) if groups == 1 else (
         torch.empty(bsz, num_heads, k_len, dim, dtype=torch.float32, device=query.device) for _ in range(2))
     delta = torch.empty(bsz, num_heads, q_len, dtype=torch.float32, device=query.device)
-    thresholds = torch.empty_like(delta)
+    # the thresholds and a copy of the LSE with a dead row's values for a dk/dv query tile past the end (plain
+    # layout: unmasked loads there)
+    dkdv_kind = "causal_dkdv" if documents is None else "causal_dkdv_documents"
+    t_rows = q_len if documents is not None else q_len + _launch_config(dkdv_kind, block_d, query.device)[0]
+    thresholds = torch.empty(bsz, num_heads, t_rows, dtype=torch.float32, device=query.device)
+    lse_rows = torch.empty_like(thresholds)
     delta_m, _, delta_warps, delta_stages = _launch_config("causal_delta", block_d, query.device)
-    dtau_part = torch.empty(bsz, num_heads, triton.cdiv(q_len, delta_m), dtype=torch.float32, device=query.device)
-    wrap_triton(_lazy_causal_bwd_delta_kernel)[(triton.cdiv(q_len, delta_m), bsz * num_heads)](
+    dtau_part = torch.empty(bsz, num_heads, triton.cdiv(t_rows, delta_m), dtype=torch.float32, device=query.device)
+    wrap_triton(_lazy_causal_bwd_delta_kernel)[(triton.cdiv(t_rows, delta_m), bsz * num_heads)](
         OUT=out, U=u, DO=grad_out, TAU=tau32, QPOS=q_pos, QSEG=q_seg, LSE=lse, DELTA=delta, THR=thresholds,
-        DTAU_PART=dtau_part, DQ=dq, DK=dk_out, DV=dv_out, DOCUMENTS=documents is not None,
+        LSE_ROWS=lse_rows, DTAU_PART=dtau_part, DQ=dq, DK=dk_out, DV=dv_out, DOCUMENTS=documents is not None,
         **_strides("o", out, h=2, t=1), **_strides("do", grad_out, h=2, t=1), **_strides("q", query),
-        **_strides("dk", dk_out), Hq=num_heads, Tq=q_len,
+        **_strides("dk", dk_out), Hq=num_heads, Tq=q_len, T_ROWS=t_rows,
         BLOCK_M=delta_m, BLOCK_D=block_d, D=dim, num_warps=delta_warps, num_stages=delta_stages)
     dq_rows = _launch_config("causal_dq", block_d, query.device)[0]
     dq_programs = grid(dq_rows)[1][0]  # one private d distance_bias row per (program, head) of the dq kernel
     dbias_part = torch.zeros(bsz if documents is None else 1, num_heads, dq_programs, window, dtype=torch.float32,
                              device=query.device)
     launch(_lazy_causal_bwd_dq_kernel, "causal_dq", lambda block_m, block_n: block_m, TAU=tau32, QPOS=q_pos,
-           QSEG=q_seg, DELTA=delta, DQ=dq,
+           QSEG=q_seg, LSE=lse, DELTA=delta, DQ=dq,
            DBIAS_PART=dbias_part, scaling=scaling)
-    launch(_lazy_causal_bwd_dkdv_kernel, "causal_dkdv" if documents is None else "causal_dkdv_documents",
-           lambda block_m, block_n: block_n, DELTA=delta, THR=thresholds, DK=dk_out,
-           DV=dv_out, **_strides("dk", dk_out), scaling=scaling)
+    launch(_lazy_causal_bwd_dkdv_kernel, dkdv_kind, lambda block_m, block_n: block_n, LSE=lse_rows, DELTA=delta,
+           THR=thresholds, T_ROWS=t_rows, DK=dk_out, DV=dv_out, **_strides("dk", dk_out), scaling=scaling)
     if groups > 1:
         dk.copy_(dk_out.view(bsz, kv_heads, groups, k_len, dim).sum(2))
         dv.copy_(dv_out.view(bsz, kv_heads, groups, k_len, dim).sum(2))
