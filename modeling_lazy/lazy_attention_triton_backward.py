@@ -483,10 +483,11 @@ def _lazy_causal_bwd_dkdv_kernel(Q, K, V, BAND, LSE, DELTA, THR, DO, DK, DV, DOC
                                  BLOCK_D: tl.constexpr, D: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
                                  DOCUMENTS: tl.constexpr = False):
     """Causal fast path of `_lazy_bwd_dkdv_kernel`: the dk, dv terms of one key tile from one query head (the bias
-    gradient comes from the dq kernel). LSE and THR: the Delta kernel's `[B, Hq, T_ROWS]` rows (LSE_ROWS, THR). DK, DV `[B, Hq, Tk, D]` (strides `stride_dk*`): the gradients themselves
-    without GQA, float32 per-query-head terms the launcher sums over each group with it (a loop over the group
-    here would keep every loop's invariants live at once: spills). Grid: (cdiv(Tk, BN), B * Hq), or with
-    `DOCUMENTS` (see `_lazy_causal_fwd_kernel`; TILES of BN-key tiles) (len(TILES), Hq)."""
+    gradient comes from the dq kernel). LSE and THR: the Delta kernel's `[B, Hq, T_ROWS]` rows (LSE_ROWS, THR).
+    DK, DV `[B, Hq, Tk, D]` (strides `stride_dk*`): the gradients themselves without GQA, float32 per-query-head
+    terms the launcher sums over each group with it (a loop over the group here would keep every loop's invariants
+    live at once: spills). Grid: (cdiv(Tk, BN), B * Hq), or with `DOCUMENTS` (see `_lazy_causal_fwd_kernel`; TILES
+    of BN-key tiles) (len(TILES), Hq)."""
     if DOCUMENTS:
         h = tl.program_id(1).to(tl.int64)
         doc = tl.load(TILES + 2 * tl.program_id(0))
