@@ -520,11 +520,10 @@ def _lazy_causal_bwd_dkdv_kernel(Q, K, V, BAND, LSE, DELTA, THR, DO, DK, DV, DOC
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     # the last query tile's rows past q_len: a document's are the next document's rows (masked loads); otherwise
-    # the Delta kernel's padding rows, read unmasked where that saves a select per value (D <= 64: at D 128 the
-    # sm_90 build would spill)
-    MASK_ROWS: tl.constexpr = DOCUMENTS or BLOCK_D > 64
+    # the Delta kernel's padding rows, read unmasked (a masked load costs a select per value)
+    MASK_ROWS: tl.constexpr = DOCUMENTS
     row_offs = (b * Hq + h) * Tq + start  # the (batch row, head) row of DELTA, at the document's start
-    padded = (b * Hq + h) * T_ROWS + start  # of THR and LSE (padded rows past Tq: unmasked loads at D <= 64)
+    padded = (b * Hq + h) * T_ROWS + start  # of THR and LSE (rows past Tq without documents: see MASK_ROWS)
     args = (k, v, Q + b * stride_qb + h * stride_qh + start * stride_qt,
             DO + b * stride_dob + h * stride_doh + start * stride_dot, THR + padded, LSE + padded,
             DELTA + row_offs, BAND + h * BAND_LEN + (BLOCK_M + BLOCK_N) + offset,
