@@ -248,8 +248,7 @@ def _lazy_bwd_dkdv_kernel(Q, K, V, TAU, BIAS, QPOS, KPOS, QSEG, KSEG, LSE, DELTA
 # if smaller) and shears each along its rows (entry (r, (r + c) mod S) to column c), so that each column of a block
 # holds two diagonals, told apart by whether r + c wraps: the shear stays inside a warp's rows (one shuffle per
 # score where a row's S columns sit one per lane) and a tile gives 2 BM BN / S float32 atomics into the query
-# tile's private row instead of one per score. Key tiles beyond the window have
-# no bias and no bias gradient.
+# tile's private row instead of one per score. Key tiles beyond the window have no bias and no bias gradient.
 # ---------------------------------------------------------------------------------------------------
 
 
