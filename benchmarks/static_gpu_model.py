@@ -394,21 +394,27 @@ def _causal_ranges(p: Problem, m0: int, bm: int, bn: int) -> tuple[int, int, int
     return far // bn, (full - far) // bn, _cdiv(max(hi - full, 0), bn)
 
 
-def _lazy_causal_fwd_work(p: Problem, blocks, sms, store_u: bool = False):
+def _lazy_causal_fwd_work(p: Problem, blocks, sms, store_u: bool = False, passes: int = 0):
     """Three loops per pass (beyond the window, inside it, at the causal limit): pass 1 and pass 2 (tau < 0), or the
     one pass (tau = 0, or with `store_u` tau >= 0): `p.tau` picks the branch every program takes; the iterations
     are given per pass (`causal_forward_passes` finds each pass's loops). `store_u` (training): U written too (bf16,
-    as O)."""
+    as O), in the one pass from the running sums of V (float32, read once per row of key heads). `passes` 1 or 2:
+    the training build that runs only the heads of one pass or of two; the other build's programs return after
+    their prologue (charged as whole programs without loops: an upper bound)."""
     bm, bn = blocks
     ranges = [_causal_ranges(p, m * bm, bm, bn) for m in range(_cdiv(p.length, bm))]
     bh = p.batch * p.heads
     per_loop = [bh * sum(r[i] for r in ranges) for i in range(3)]
     one_pass = p.tau == 0 or (store_u and p.tau > 0)
+    runs = passes == 0 or one_pass == (passes == 1)
+    if not runs:
+        per_loop = [0] * 3
     iterations = {"pass 1": [0] * 3 if one_pass else per_loop, "pass 2": [0] * 3 if one_pass else per_loop,
                   "one pass": per_loop if one_pass else [0] * 3}
     qkvo = _bytes(2 * bh * p.length * p.dim, 2 * p.batch * p.kv_heads * p.length * p.dim)
     u = 2 * bh * p.length * p.dim if store_u else 0
-    return Work(bh * len(ranges), iterations, qkvo + u + 4 * bh * p.length, (bm, bn))
+    vsum = 4 * p.batch * p.kv_heads * p.length * p.dim if store_u and one_pass else 0  # the running sums of V
+    return Work(bh * len(ranges), iterations, (qkvo + u + vsum + 4 * bh * p.length) if runs else 4 * bh, (bm, bn))
 
 
 def _lazy_causal_delta_work(p: Problem, blocks, sms):
@@ -579,8 +585,10 @@ LAZY_FAST = {
                              _lazy_decode_lse_work),
     "decode_out": KernelSpec("lazy packed decode pass 2", "lazy", "_lazy_decode_out_kernel", "packed_decode",
                              _lazy_decode_out_work),
-    "fwd_u": KernelSpec("lazy fwd + U (causal, training)", "lazy", "_lazy_causal_fwd_kernel", "causal_fwd_u",
-                        partial(_lazy_causal_fwd_work, store_u=True)),
+    "fwd_u": KernelSpec("lazy fwd + U, two passes (causal, training)", "lazy", "_lazy_causal_fwd_kernel",
+                        "causal_fwd_u", partial(_lazy_causal_fwd_work, store_u=True, passes=2)),
+    "fwd_u1": KernelSpec("lazy fwd + U, one pass (causal, training)", "lazy", "_lazy_causal_fwd_kernel",
+                         "causal_fwd_u1", partial(_lazy_causal_fwd_work, store_u=True, passes=1)),
     "delta": KernelSpec("lazy bwd Delta from U (causal)", "lazy", "_lazy_causal_bwd_delta_kernel", "causal_delta",
                         _lazy_causal_delta_work),
     "dq": KernelSpec("lazy bwd dq (causal)", "lazy", "_lazy_causal_bwd_dq_kernel", "causal_dq",
@@ -589,8 +597,10 @@ LAZY_FAST = {
                        _lazy_causal_dkdv_work),
 }
 LAZY_DOCUMENTS = {  # the causal fast path per document: its kernels' DOCUMENTS builds
-    "fwd_u": KernelSpec("lazy fwd + U (per document)", "lazy", "_lazy_causal_fwd_kernel", "causal_fwd_u",
-                        partial(_lazy_causal_fwd_work, store_u=True), documents=True),
+    "fwd_u": KernelSpec("lazy fwd + U, two passes (per document)", "lazy", "_lazy_causal_fwd_kernel",
+                        "causal_fwd_u", partial(_lazy_causal_fwd_work, store_u=True, passes=2), documents=True),
+    "fwd_u1": KernelSpec("lazy fwd + U, one pass (per document)", "lazy", "_lazy_causal_fwd_kernel",
+                         "causal_fwd_u1", partial(_lazy_causal_fwd_work, store_u=True, passes=1), documents=True),
     "delta": KernelSpec("lazy bwd Delta from U (per document)", "lazy", "_lazy_causal_bwd_delta_kernel",
                         "causal_delta", _lazy_causal_delta_work, documents=True),
     "dq": KernelSpec("lazy bwd dq (per document)", "lazy", "_lazy_causal_bwd_dq_kernel", "causal_dq",
@@ -610,11 +620,11 @@ TAU_ROWS = ("forward, tau = 0", "training, tau >= 0")
 # Scenario -> kernels run, for each implementation
 SCENARIOS = {
     "lazy (general)": {"forward": ["fwd"], "training": ["fwd", "delta", "dq", "dkdv"], "decode": ["decode"]},
-    "lazy (causal fast path)": {"forward": ["fwd"], "training": ["fwd_u", "delta", "dq", "dkdv"],
+    "lazy (causal fast path)": {"forward": ["fwd"], "training": ["fwd_u1", "fwd_u", "delta", "dq", "dkdv"],
                                 "decode": ["decode_lse", "decode_out"], "forward, tau = 0": ["fwd"],
-                                "training, tau >= 0": ["fwd_u", "delta", "dq", "dkdv"]},
-    "lazy (per document)": {"packed training": ["fwd_u", "delta", "dq", "dkdv"],
-                            "padded training": ["fwd_u", "delta", "dq", "dkdv"]},
+                                "training, tau >= 0": ["fwd_u1", "fwd_u", "delta", "dq", "dkdv"]},
+    "lazy (per document)": {"packed training": ["fwd_u1", "fwd_u", "delta", "dq", "dkdv"],
+                            "padded training": ["fwd_u1", "fwd_u", "delta", "dq", "dkdv"]},
     "FA2-style": {"forward": ["fwd"], "training": ["fwd", "preprocess", "bwd"], "decode": ["decode"],
                   "packed training": ["fwd", "preprocess", "bwd"], "padded training": ["fwd", "preprocess", "bwd"],
                   "forward, tau = 0": ["fwd"], "training, tau >= 0": ["fwd", "preprocess", "bwd"]},
@@ -678,12 +688,15 @@ def causal_forward_passes(code: KernelCode, tile: tuple) -> dict:
     """The causal forward's tensor-core loops (address order) by pass, three each (beyond the window, inside it, at
     the causal limit; in that order within a pass, while the compiler may lay out the passes in either order): "pass
     1" does the least tensor-core work (q k^T alone), "one pass" (FlashAttention-2's online
-    softmax rescales its accumulator: more float32 arithmetic per score), "pass 2" the rest. A build whose blocks
-    have no one pass (`causal_passes`) has pass 1 and pass 2 only ("one pass": [])."""
-    if len(code.loops) not in (6, 9):
+    softmax rescales its accumulator: more float32 arithmetic per score), "pass 2" the rest. The training builds
+    that run only the heads of two passes, or of one (`PASSES`), have those loops only (the others: [])."""
+    if len(code.loops) not in (3, 6, 9):
         raise RuntimeError(f"{code.name}: the causal forward has {len(code.loops)} tensor-core loops, the model "
-                           "expects 9, or 6 where it has no one pass (did the kernel change?)")
+                           "expects 9, 6 where it has no one pass, 3 where it has only the one pass (did the kernel "
+                           "change?)")
     groups = [list(range(i, i + 3)) for i in range(0, len(code.loops), 3)]
+    if len(groups) == 1:  # the training build of the heads of one pass
+        return {"pass 1": [], "pass 2": [], "one pass": groups[0]}
     flop = [sum(code.loops[g[0]].tensor_flop.values()) for g in groups]
     passes = {"pass 1": groups.pop(flop.index(min(flop)))}
     if len(groups) == 1:
@@ -699,10 +712,9 @@ def kernel_time(code: KernelCode, work: Work, arch: int) -> dict:
     if isinstance(work.iterations, dict):  # per pass of the causal forward: in the loops' order
         iterations, passes = [0] * len(code.loops), causal_forward_passes(code, work.tile)
         for name, loops in passes.items():
+            if not loops and any(work.iterations[name]):
+                raise RuntimeError(f"{code.name}: the work has iterations of {name}, the build has no such loops")
             for index, n in zip(loops, work.iterations[name]):
-                iterations[index] += n
-        if not passes["one pass"]:  # a build without it runs its problems in two passes
-            for index, n in zip(passes["pass 1"] + passes["pass 2"], work.iterations["one pass"] * 2):
                 iterations[index] += n
         work = replace(work, iterations=iterations)
     if len(work.iterations) != len(code.loops):
@@ -747,7 +759,7 @@ def problem_work(spec: KernelSpec, problem: Problem, blocks: tuple, sms: int) ->
     if spec.documents:
         rows = blocks[1] if spec.kind.startswith("causal_dkdv") else blocks[0]  # the work list's tile height
         padding = padding_runs(problem)
-        if spec.kind.startswith("causal_fwd"):  # out and U (bf16) 0, the dead-row LSE (float32)
+        if spec.kind in ("causal_fwd", "causal_fwd_u"):  # out and U (bf16) 0, the dead-row LSE (float32)
             per_token = 2 * problem.dim * (2 if spec.kind == "causal_fwd_u" else 1) + 4
             dram_bytes += problem.heads * sum(padding) * per_token
         entries = len(problem.documents) + len(padding)
@@ -773,7 +785,18 @@ def launches(impl: str, scenario: str, problem: Problem, arch: int) -> int:
         count += _packed_decode_plan(problem, blocks_of(spec, arch, problem.dim)[:2], MACHINES[arch].sms)[1] > 1
     elif scenario == "decode" and impl == "FA2-style":
         count += 1
-    return count
+    return count + ("vsum" in _vsum_seconds(impl, scenario, problem, arch))
+
+
+def _vsum_seconds(impl: str, scenario: str, problem: Problem, arch: int) -> dict:
+    """The causal fast path's training launcher first runs `_lazy_value_sums_kernel`, the running sums of V (float32)
+    for the heads of one pass: one launch in every training scenario of the fast path, and where heads have tau >=
+    0 the DRAM time to read V and write the sums (a scan without tensor-core work: its loop is not analysed)."""
+    if "fwd_u" not in SCENARIOS[impl][scenario] or impl == "lazy (general)":
+        return {}
+    tokens = sum(problem.documents) if problem.documents else problem.batch * problem.length
+    return {"vsum": (2 + 4) * tokens * problem.kv_heads * problem.dim / MACHINES[arch].dram_bytes_per_s
+            if problem.tau >= 0 else 0.0}
 
 
 def kernel_seconds(impl: str, scenario: str, codes: dict, problem: Problem, arch: int) -> dict:
@@ -784,7 +807,7 @@ def kernel_seconds(impl: str, scenario: str, codes: dict, problem: Problem, arch
         block_m, block_n, _, _ = blocks_of(spec, arch, problem.dim)
         work = problem_work(spec, problem, (block_m, block_n), MACHINES[arch].sms)
         seconds[key] = kernel_time(codes[(spec, arch, problem.dim)], work, arch)["seconds"]
-    return seconds
+    return seconds | _vsum_seconds(impl, scenario, problem, arch)
 
 
 def scenario_time(impl: str, scenario: str, codes: dict, problem: Problem, arch: int) -> float:

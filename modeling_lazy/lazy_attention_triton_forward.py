@@ -6,8 +6,10 @@ decode) and the causal fast-path forward.
     _lazy_fwd_split_lse_kernel / _lazy_fwd_split_out_kernel
                                split-K decode: each program covers a slice of the keys; partial (max, sum)
                                and partial outputs are combined with a few torch ops (no host sync)
-    causal_passes              the causal fast path's two passes for one query tile (shared with vLLM's paged
-                               prefill, lazy_llama_vllm/lazy_attention_paged_triton.py)
+    causal_passes              the causal fast path's two passes, or one, for one query tile (shared with vLLM's
+                               paged prefill, lazy_llama_vllm/lazy_attention_paged_triton.py)
+    _lazy_value_sums_kernel    the running sums of V along each document's keys, from which training's heads of one
+                               pass take U
     _lazy_causal_fwd_kernel    the causal fast path (`LazyMetadata.causal`, query length > 16), or with
                                `DOCUMENTS` the same per document (packed documents, padded rows)
     _forward, _causal_forward  the launchers (`ForwardResult`)
@@ -267,13 +269,12 @@ def _causal_out_tiles(q, acc, u, K, V, stride_kt, stride_vt, band, diagonal, q_k
 
 
 @triton.jit
-def _causal_one_pass_tiles(q, acc, u, m_i, l_i, K, V, stride_kt, stride_vt, band, diagonal, q_key_idx, positive, lo,
-                           hi, Tk, scale_log2, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, D: tl.constexpr,
-                           BIAS: tl.constexpr, DIAGONAL: tl.constexpr, WITH_U: tl.constexpr, UPCAST: tl.constexpr,
-                           PRECISION: tl.constexpr, BT=None, stride_kb=0, stride_vb=0, PAGE_SIZE: tl.constexpr = 0):
+def _causal_one_pass_tiles(q, acc, m_i, l_i, K, V, stride_kt, stride_vt, band, diagonal, lo, hi, Tk, scale_log2,
+                           BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, D: tl.constexpr, BIAS: tl.constexpr,
+                           DIAGONAL: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+                           BT=None, stride_kb=0, stride_vb=0, PAGE_SIZE: tl.constexpr = 0):
     """The one pass of a head with tau >= 0 over key tiles [lo, hi): the running max and sum of pass 1 (the same
-    bits), `acc += p~ @ V` rescaled as the max grows (FlashAttention-2's online softmax) and, `WITH_U`, `u += m @ V`
-    with m = 1 on every visible key whose score is not -inf, or (`positive`: tau > 0) on every visible key."""
+    bits) and `acc += p~ @ V` rescaled as the max grows (FlashAttention-2's online softmax)."""
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     for start_n in range(lo, hi, BLOCK_N):
@@ -287,60 +288,75 @@ def _causal_one_pass_tiles(q, acc, u, m_i, l_i, K, V, stride_kt, stride_vt, band
         l_i = l_i * alpha + tl.sum(p, 1)
         m_i = m_new
         acc = _dot(p.to(v.dtype), v, UPCAST, PRECISION, acc * alpha[:, None])
-        if WITH_U:
-            m = tl.full(s.shape, 1.0, tl.float32)  # beyond the window every key (the scores are finite)
-            if BIAS:  # inside it a -inf bias gives a -inf score, weight 0 (and a = 0 at tau = 0)
-                m = tl.where(s > float("-inf"), m, tl.where(positive, m, 0.0))
-            if DIAGONAL:
-                m = tl.where(keys[None, :] <= q_key_idx[:, None], m, 0.0)
-            u = _dot(m.to(v.dtype), v, UPCAST, PRECISION, u)
-    return acc, u, m_i, l_i
+    return acc, m_i, l_i
 
 
 @triton.jit
-def _causal_one_pass(q, q_pos, tau, K, V, stride_kt, stride_vt, band, diagonal, q_key_idx, far, full, hi, Tk,
-                     scale_log2, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                     D: tl.constexpr, WITH_U: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+def _causal_one_pass(q, K, V, stride_kt, stride_vt, band, diagonal, far, full, hi, Tk, scale_log2,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, D: tl.constexpr,
+                     UPCAST: tl.constexpr, PRECISION: tl.constexpr,
                      BT=None, stride_kb=0, stride_vb=0, PAGE_SIZE: tl.constexpr = 0):
     """`causal_passes` for a head with tau >= 0, in one pass: there the ReLU never cuts (p + tau/n >= 0), so
-    `O_i = sum_j p_ij v_j + (tau/n_i) U_i` with U_i the sum of the visible values (tau > 0), and the weights need
-    no normaliser before they are used. `WITH_U` (U computed and returned) must hold when tau > 0."""
+    `O_i = sum_j p_ij v_j + (tau/n_i) U_i` with U_i the sum of the visible values, which the caller adds (from
+    running sums of V): the weights need no normaliser before they are used. Returns `(sum_j p_ij v_j, alive,
+    lse2)`."""
     m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    u = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    positive = tau > 0.0
-    acc, u, m_i, l_i = _causal_one_pass_tiles(q, acc, u, m_i, l_i, K, V, stride_kt, stride_vt, band, diagonal,
-                                              q_key_idx, positive, 0, far, Tk, scale_log2, BLOCK_N, BLOCK_D, D,
-                                              False, False, WITH_U, UPCAST, PRECISION, BT, stride_kb, stride_vb,
-                                              PAGE_SIZE)
-    acc, u, m_i, l_i = _causal_one_pass_tiles(q, acc, u, m_i, l_i, K, V, stride_kt, stride_vt, band, diagonal,
-                                              q_key_idx, positive, far, full, Tk, scale_log2, BLOCK_N, BLOCK_D, D,
-                                              True, False, WITH_U, UPCAST, PRECISION, BT, stride_kb, stride_vb,
-                                              PAGE_SIZE)
-    acc, u, m_i, l_i = _causal_one_pass_tiles(q, acc, u, m_i, l_i, K, V, stride_kt, stride_vt, band, diagonal,
-                                              q_key_idx, positive, full, hi, Tk, scale_log2, BLOCK_N, BLOCK_D, D,
-                                              True, True, WITH_U, UPCAST, PRECISION, BT, stride_kb, stride_vb,
-                                              PAGE_SIZE)
+    acc, m_i, l_i = _causal_one_pass_tiles(q, acc, m_i, l_i, K, V, stride_kt, stride_vt, band, diagonal, 0, far, Tk,
+                                           scale_log2, BLOCK_N, BLOCK_D, D, False, False, UPCAST, PRECISION, BT,
+                                           stride_kb, stride_vb, PAGE_SIZE)
+    acc, m_i, l_i = _causal_one_pass_tiles(q, acc, m_i, l_i, K, V, stride_kt, stride_vt, band, diagonal, far, full,
+                                           Tk, scale_log2, BLOCK_N, BLOCK_D, D, True, False, UPCAST, PRECISION, BT,
+                                           stride_kb, stride_vb, PAGE_SIZE)
+    acc, m_i, l_i = _causal_one_pass_tiles(q, acc, m_i, l_i, K, V, stride_kt, stride_vt, band, diagonal, full, hi,
+                                           Tk, scale_log2, BLOCK_N, BLOCK_D, D, True, True, UPCAST, PRECISION, BT,
+                                           stride_kb, stride_vb, PAGE_SIZE)
     alive = l_i > 0.0
     lse2 = tl.where(alive, m_i + tl.log2(tl.where(alive, l_i, 1.0)), float("inf"))
     inv_l = tl.where(alive, 1.0 / tl.where(alive, l_i, 1.0), 0.0)
-    acc = acc * inv_l[:, None]
-    if WITH_U:  # a dead row (no normaliser) gets no weight and no U, as in the two passes
-        u = tl.where(alive[:, None], u, 0.0)
-        acc += tl.where(alive, tau / (q_pos + 1).to(tl.float32), 0.0)[:, None] * u
-    return acc, u, alive, lse2
+    return acc * inv_l[:, None], alive, lse2
+
+
+@triton.jit
+def _finite_band(BIAS_h, W):
+    """Whether the W distances' bias values from BIAS_h are all finite."""
+    offs = tl.arange(0, 1024)
+    infinite = 0
+    for d0 in range(0, W, 1024):
+        values = tl.load(BIAS_h + d0 + offs, mask=d0 + offs < W, other=0.0)
+        infinite += tl.sum((values == float("-inf")).to(tl.int32), 0)
+    return infinite == 0
+
+
+@triton.jit
+def _one_pass_head(TAU_h, BIAS_h, W, STORE_U: tl.constexpr):
+    """Whether a head runs `causal_passes` in one pass: at tau = 0; in training (`STORE_U`, where U_i is then the
+    sum of every visible value) at tau > 0, and at tau = 0 where none of its W bias values from BIAS_h is -inf (a
+    key of -inf bias has no share of U at tau = 0: such a head's U is a product per tile, in two passes)."""
+    tau = tl.load(TAU_h)
+    if STORE_U:
+        one_pass = tau > 0.0
+        if tau == 0.0:
+            one_pass = _finite_band(BIAS_h, W)
+    else:
+        one_pass = tau == 0.0
+    return one_pass
 
 
 @triton.jit
 def causal_passes(q, q_pos, K, V, stride_kt, stride_vt, band_h, TAU_h, m0, Tq, Tk, W, scale_log2,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, D: tl.constexpr,
                    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-                   BT=None, stride_kb=0, stride_vb=0, PAGE_SIZE: tl.constexpr = 0, STORE_U: tl.constexpr = False):
+                   BT=None, stride_kb=0, stride_vb=0, PAGE_SIZE: tl.constexpr = 0, STORE_U: tl.constexpr = False,
+                   VSUM=None, stride_st=0, PASSES: tl.constexpr = 0):
     """The causal fast path for the query rows [m0, m0 + BM) of one head (row i at key index i + Tk - Tq,
     n = q_pos + 1): two passes (the row log-sum-exp, then `ReLU(p + tau/n) @ V`), or one (`_causal_one_pass`: no
-    weight is cut) at tau = 0 without `STORE_U`, at tau >= 0 with it (at blocks of up to 128 x 64 rows x dims);
-    each pass as three loops (beyond the window / inside it / at the causal limit).
+    weight is cut): at tau = 0 without `STORE_U`; with it at tau > 0, and at tau = 0 where the head's bias has no
+    -inf (`_finite_band`): there U_i is the sum of every visible value, row i + Tk - Tq of
+    VSUM (`[Tk, D]` float32, row stride `stride_st`: VSUM[j] = v_0 + ... + v_j, `_lazy_value_sums_kernel`). Each
+    pass runs three loops (beyond the window / inside it / at the causal limit). `PASSES` 1 or 2: build only the
+    one pass or only the two (the caller runs only heads that take them: `_one_pass_head`), 0: both.
     `band_h`: the head's band row in log2 units (every pass adds it after scaling); `TAU_h`: the head's tau.
     PAGE_SIZE > 0: K and V are a paged cache (`_load_keys`). Returns `(acc [BM, BLOCK_D] float32, u, alive [BM],
     lse2 [BM])`; `u = sum_j m_ij v_j` (float32) with `STORE_U`, zeros otherwise."""
@@ -352,18 +368,22 @@ def causal_passes(q, q_pos, K, V, stride_kt, stride_vt, band_h, TAU_h, m0, Tq, T
 
     q_key_idx = rows + Tk - Tq
     tau = tl.load(TAU_h)
-    # the one pass needs U for tau > 0 and, storing U, a second [BM, D] float32 accumulator: where that is larger
-    # than 128 x 64 (the inference blocks, the sm_90 training blocks at D 128) it spills, and two passes run instead
-    one_pass = tau == 0.0
-    if STORE_U:
-        if BLOCK_M * BLOCK_D <= 128 * 64:
-            one_pass = tau >= 0.0
-        else:
-            one_pass = False
+    if PASSES == 1:
+        one_pass = True
+    elif PASSES == 2:
+        one_pass = False
+    else:
+        one_pass = _one_pass_head(TAU_h, band_h + BLOCK_M + BLOCK_N, W, STORE_U)
     if one_pass:  # no ReLU cut: `_causal_one_pass`
-        acc, u, alive, lse2 = _causal_one_pass(q, q_pos, tau, K, V, stride_kt, stride_vt, band, diagonal, q_key_idx,
-                                               far, full, hi, Tk, scale_log2, BLOCK_M, BLOCK_N, BLOCK_D, D, STORE_U,
-                                               UPCAST, PRECISION, BT, stride_kb, stride_vb, PAGE_SIZE)
+        acc, alive, lse2 = _causal_one_pass(q, K, V, stride_kt, stride_vt, band, diagonal, far, full, hi, Tk,
+                                            scale_log2, BLOCK_M, BLOCK_N, BLOCK_D, D, UPCAST, PRECISION, BT,
+                                            stride_kb, stride_vb, PAGE_SIZE)
+        u = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        if STORE_U:  # U_i = VSUM[i + Tk - Tq]; a dead row gets no weight and no U
+            offs_d = tl.arange(0, BLOCK_D)
+            ok = (alive & (q_key_idx < Tk))[:, None] & (offs_d[None, :] < D)
+            u = tl.load(VSUM + q_key_idx[:, None] * stride_st + offs_d[None, :], mask=ok, other=0.0)
+            acc += tl.where(alive, tau / (q_pos + 1).to(tl.float32), 0.0)[:, None] * u
     else:
         m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)  # finite: a tile of -inf scores keeps exp2() at 0, never NaN
         l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -393,16 +413,56 @@ def causal_passes(q, q_pos, K, V, stride_kt, stride_vt, band_h, TAU_h, m0, Tq, T
 
 
 @triton.jit
-def _lazy_causal_fwd_kernel(Q, K, V, TAU, BAND, QPOS, OUT, LSE, U, DOCS, TILES,
+def _lazy_value_sums_kernel(V, TAU, DOCS, VSUM, stride_vb, stride_vh, stride_vt, stride_sb, stride_sh, stride_st,
+                            Tk, GROUPS, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, D: tl.constexpr,
+                            DOCUMENTS: tl.constexpr = False):
+    """The running sums of V along the keys, `VSUM[b, hk, j] = v_0 + ... + v_j` (float32), from which the training
+    forward's heads of one pass take U (`causal_passes`). Program (r, hk): batch row r, or with `DOCUMENTS` DOCS
+    row r (`_lazy_causal_fwd_kernel`; the sums restart at each document, a run of padding gets none), for key head
+    hk. A key head whose query heads all have tau < 0 (two passes, U a product per tile) returns at once."""
+    hk = tl.program_id(1)
+    one_pass = 0
+    for g in range(0, GROUPS):
+        one_pass += (tl.load(TAU + hk * GROUPS + g) >= 0.0).to(tl.int32)
+    if one_pass == 0:
+        return
+    if DOCUMENTS:
+        b = tl.load(DOCS + 3 * tl.program_id(0)).to(tl.int64)
+        start = tl.load(DOCS + 3 * tl.program_id(0) + 1).to(tl.int64)
+        length = tl.load(DOCS + 3 * tl.program_id(0) + 2)  # < 0: padding
+    else:
+        b = tl.program_id(0).to(tl.int64)
+        start = 0
+        length = Tk
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    v_ptr = V + b * stride_vb + hk.to(tl.int64) * stride_vh + start * stride_vt + offs_d[None, :]
+    s_ptr = VSUM + b * stride_sb + hk.to(tl.int64) * stride_sh + start * stride_st + offs_d[None, :]
+    carry = tl.zeros([BLOCK_D], tl.float32)
+    for t0 in range(0, length, BLOCK_M):
+        rows = t0 + offs_m
+        mask = (rows < length)[:, None] & (offs_d[None, :] < D)
+        v = tl.load(v_ptr + rows[:, None] * stride_vt, mask=mask, other=0.0).to(tl.float32)
+        tl.store(s_ptr + rows[:, None] * stride_st, tl.cumsum(v, 0) + carry[None, :], mask=mask)
+        carry += tl.sum(v, 0)
+
+
+@triton.jit
+def _lazy_causal_fwd_kernel(Q, K, V, TAU, BAND, QPOS, OUT, LSE, U, DOCS, TILES, VSUM,
                             stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt,
                             stride_vb, stride_vh, stride_vt, stride_ob, stride_oh, stride_ot,
+                            stride_sb, stride_sh, stride_st,
                             Hq, Tq, Tk, W, GROUPS, BAND_LEN, scale_log2,
                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, D: tl.constexpr,
                             UPCAST: tl.constexpr, PRECISION: tl.constexpr, STORE_U: tl.constexpr,
-                            DOCUMENTS: tl.constexpr = False):
+                            DOCUMENTS: tl.constexpr = False, PASSES: tl.constexpr = 0):
     """Causal fast path, one query tile of one query head: `causal_passes`. Grid: (cdiv(Tq, BM), B * Hq). LSE in
     log2 units. `STORE_U` (training): also U_i = sum_j m_ij v_j into U (OUT's dtype, shape and strides), from
-    which `_lazy_causal_bwd_delta_kernel` gets Delta and d tau without another pass over the keys.
+    which `_lazy_causal_bwd_delta_kernel` gets Delta and d tau without another pass over the keys; a head that runs
+    one pass (no weight is cut, m = 1 on every visible key: `causal_passes`) takes it from VSUM `[B, Hk, Tk, D]`
+    float32, the running sums of V along each document's keys (`_lazy_value_sums_kernel`), instead of a product per
+    key tile. `PASSES` 1 (2): only the heads of one pass (of two passes) run, the other programs return at once: the
+    training launcher runs both builds, each with blocks of its own, so neither holds the other's registers.
 
     `DOCUMENTS`: the rows hold documents (packed, or between padding), each a causal layout of its own at
     positions 0 .. length - 1 (Tq = Tk = the row length): DOCS `[R, 3]` int32 (batch row, first token, length),
@@ -434,6 +494,13 @@ def _lazy_causal_fwd_kernel(Q, K, V, TAU, BAND, QPOS, OUT, LSE, U, DOCS, TILES,
     offs_d = tl.arange(0, BLOCK_D)
     rows = m0 + tl.arange(0, BLOCK_M)
     row_mask = rows < q_len
+    if PASSES != 0:  # the heads of the other build return; the padding's tiles are the PASSES == 2 build's
+        one_pass = _one_pass_head(TAU + h, BAND + h * BAND_LEN + BLOCK_M + BLOCK_N, W, STORE_U)
+        if PASSES == 1:
+            if padding or not one_pass:
+                return
+        elif one_pass and not padding:
+            return
     if padding:  # (a branch that returns: the document tiles' code is compiled as without it)
         out_offs = b * stride_ob + h.to(tl.int64) * stride_oh + (start + rows)[:, None] * stride_ot + offs_d[None, :]
         out_mask = row_mask[:, None] & (offs_d[None, :] < D)
@@ -450,7 +517,9 @@ def _lazy_causal_fwd_kernel(Q, K, V, TAU, BAND, QPOS, OUT, LSE, U, DOCS, TILES,
     acc, u, alive, lse2 = causal_passes(q, q_pos, K + b * stride_kb + hk * stride_kh + start * stride_kt,
                                         V + b * stride_vb + hk * stride_vh + start * stride_vt, stride_kt, stride_vt,
                                         BAND + h * BAND_LEN, TAU + h, m0, q_len, k_len, W, scale_log2, BLOCK_M,
-                                        BLOCK_N, BLOCK_D, D, UPCAST, PRECISION, STORE_U=STORE_U)
+                                        BLOCK_N, BLOCK_D, D, UPCAST, PRECISION, STORE_U=STORE_U,
+                                        VSUM=VSUM + b * stride_sb + hk * stride_sh +
+                                        start * stride_st, stride_st=stride_st, PASSES=PASSES)
     out_offs = b * stride_ob + h.to(tl.int64) * stride_oh + (start + rows)[:, None] * stride_ot + offs_d[None, :]
     out_mask = row_mask[:, None] & (offs_d[None, :] < D)
     tl.store(OUT + out_offs, acc.to(OUT.dtype.element_ty), mask=out_mask)
@@ -519,7 +588,9 @@ def _causal_forward(query, key, value, tau, distance_bias, q_pos, scaling, block
                     documents=None) -> ForwardResult:
     """The causal fast-path forward: `ForwardResult(out [B, Tq, Hq, D], lse [B, Hq, Tq] float32 in log2 units (what
     `_causal_backward` reads), u)`; `store_u` (training): u is `U_i = sum_j m_ij v_j`, `[B, Tq, Hq, D]`, for
-    `_causal_backward`, stored as `out` is (the query dtype: `(tau / n) U` is a term of O); otherwise None.
+    `_causal_backward`, stored as `out` is (the query dtype: `(tau / n) U` is a term of O); otherwise None. Training
+    launches three kernels: the running sums of V, then the heads of one pass and the heads of two passes, each build
+    with its own blocks (`causal_passes`); inference one.
 
     `documents` (`[R, 3]` int32: batch row, first token, length; `document_table` of lazy_attention_torch): the
     rows hold documents, each its own causal layout at positions 0 .. length - 1 (packed documents, padded rows; Tq
@@ -527,24 +598,39 @@ def _causal_forward(query, key, value, tau, distance_bias, q_pos, scaling, block
     so writes every token."""
     bsz, num_heads, q_len, dim = query.shape
     kv_heads, k_len = key.shape[1], key.shape[2]
-    kind = "causal_fwd_u" if store_u else "causal_fwd"
-    block_m, block_n, num_warps, num_stages = _launch_config(kind, block_d, query.device)
-    band = _bias_band(distance_bias, scaling, block_m, block_n)
+    # training runs the heads of one pass and those of two passes as two launches of their own builds and blocks
+    builds = [("causal_fwd_u1", 1), ("causal_fwd_u", 2)] if store_u else [("causal_fwd", 0)]
+    configs = [(_launch_config(kind, block_d, query.device), passes) for kind, passes in builds]
+    pad = max(block_m + block_n for (block_m, block_n, _, _), _ in configs)
+    band = _bias_band(distance_bias, scaling, pad, 0)  # each launch reads it from its own BM + BN before distance 0
     out = torch.empty(bsz, q_len, num_heads, dim, dtype=query.dtype, device=query.device)
     lse = torch.empty(bsz, num_heads, q_len, dtype=torch.float32, device=query.device)
     u = torch.empty_like(out) if store_u else None
-    if documents is None:
-        tiles, grid = lse, (triton.cdiv(q_len, block_m), bsz * num_heads)
-    else:
-        tiles = _varlen_tiles(documents[:, 2].abs(), bsz * q_len, block_m)
-        grid = (tiles.shape[0], num_heads)
-    wrap_triton(_lazy_causal_fwd_kernel)[grid](
-        Q=query, K=key, V=value, TAU=tau.detach().to(torch.float32).contiguous(), BAND=band, QPOS=q_pos,
-        OUT=out, LSE=lse, U=u if store_u else lse, DOCS=lse if documents is None else documents, TILES=tiles,
-        STORE_U=store_u, DOCUMENTS=documents is not None,
-        **_strides("q", query), **_strides("k", key), **_strides("v", value), **_strides("o", out, h=2, t=1),
-        Hq=num_heads, Tq=q_len, Tk=k_len, W=distance_bias.shape[-1], GROUPS=num_heads // kv_heads,
-        BAND_LEN=band.shape[-1], scale_log2=scaling * LOG2E,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, D=dim, UPCAST=_INTERPRET,
-        PRECISION=_DOT_PRECISION[query.dtype], num_warps=num_warps, num_stages=num_stages)
+    tau_f32 = tau.detach().to(torch.float32).contiguous()
+    vsum = lse.view(bsz, num_heads, q_len, 1)
+    if store_u:  # the running sums of V, from which the heads of one pass take U (`causal_passes`)
+        vsum = torch.empty(bsz, kv_heads, k_len, dim, dtype=torch.float32, device=query.device)
+        block_t, _, sum_warps, sum_stages = _launch_config("value_sums", block_d, query.device)
+        wrap_triton(_lazy_value_sums_kernel)[(bsz if documents is None else documents.shape[0], kv_heads)](
+            V=value, TAU=tau_f32, DOCS=lse if documents is None else documents, VSUM=vsum, **_strides("v", value),
+            **_strides("s", vsum), Tk=k_len, GROUPS=num_heads // kv_heads, BLOCK_M=block_t, BLOCK_D=block_d, D=dim,
+            DOCUMENTS=documents is not None, num_warps=sum_warps, num_stages=sum_stages)
+    for (block_m, block_n, num_warps, num_stages), passes in configs:
+        if documents is None:
+            tiles, grid = lse, (triton.cdiv(q_len, block_m), bsz * num_heads)
+        else:
+            tiles = _varlen_tiles(documents[:, 2].abs(), bsz * q_len, block_m)
+            grid = (tiles.shape[0], num_heads)
+        wrap_triton(_lazy_causal_fwd_kernel)[grid](
+            Q=query, K=key, V=value, TAU=tau_f32, BAND=band.narrow(-1, pad - block_m - block_n,
+                                                                  band.shape[-1] - pad + block_m + block_n),
+            QPOS=q_pos,
+            OUT=out, LSE=lse, U=u if store_u else lse, DOCS=lse if documents is None else documents, TILES=tiles,
+            VSUM=vsum, STORE_U=store_u, DOCUMENTS=documents is not None, PASSES=passes,
+            **_strides("q", query), **_strides("k", key), **_strides("v", value), **_strides("o", out, h=2, t=1),
+            **_strides("s", vsum),
+            Hq=num_heads, Tq=q_len, Tk=k_len, W=distance_bias.shape[-1], GROUPS=num_heads // kv_heads,
+            BAND_LEN=band.stride(1), scale_log2=scaling * LOG2E,
+            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, D=dim, UPCAST=_INTERPRET,
+            PRECISION=_DOT_PRECISION[query.dtype], num_warps=num_warps, num_stages=num_stages)
     return ForwardResult(out, lse, u)

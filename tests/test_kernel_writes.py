@@ -100,6 +100,8 @@ OUTPUTS = {  # kernel -> the buffers it really stores to
     "_lazy_causal_bwd_dq_kernel": "DBIAS_PART,DQ",
     "_lazy_causal_bwd_dkdv_kernel": "DK,DV",
     "_lazy_causal_fwd_kernel documents": "LSE,OUT,U",
+    "_lazy_value_sums_kernel": "VSUM",
+    "_lazy_value_sums_kernel documents": "VSUM",
     "_lazy_causal_bwd_delta_kernel documents": "DELTA,DK,DQ,DTAU_PART,DV,LSE_ROWS,THR",  # and the padding's gradients
     "_lazy_causal_bwd_dq_kernel documents": "DBIAS_PART,DQ",
     "_lazy_causal_bwd_dkdv_kernel documents": "DK,DV",
