@@ -1,6 +1,6 @@
 """GPU check of the causal training forward's U (`U_i = sum_j m_ij v_j`, the backward's Delta and d tau read it):
 U, O and d tau of the causal fast path against float32 references, per block configuration (the shipped one, the
-other GPU family's, one pipeline stage), at tau = 0 and -1. Prints one line per case; run on a CUDA GPU."""
+other GPU family's, one pipeline stage), at tau = 0.5, 0 and -1. Prints one line per case; run on a CUDA GPU."""
 
 import sys
 from pathlib import Path
@@ -41,7 +41,7 @@ def case(bsz, heads, length, dim, tau_value, label):
     leaves = [x.float().requires_grad_() for x in (q, k, v)] + [tau.clone().requires_grad_()]
     ref, _ = lazy_attention_reference(*leaves, bias, meta, scaling)
     ref.backward(grad.float())
-    print(f"{label:>14} D{dim} tau {tau_value:+.0f}: out {relative(res.out, out_ref):.1e}  "
+    print(f"{label:>14} D{dim} tau {tau_value:+.1f}: out {relative(res.out, out_ref):.1e}  "
           f"U {relative(res.u, u_ref):.1e}  rows with a wrong U {len(bad)} (first {bad[:3].tolist()})  "
           f"dtau {relative(back.d_tau, leaves[3].grad):.1e}  dq {relative(dq, leaves[0].grad):.1e}", flush=True)
 
@@ -82,7 +82,7 @@ def main():
     for label, table in variants.items():
         common._CONFIGS["sm90"] = table
         for dim, (bsz, heads, length) in sizes:
-            for tau_value in (0.0, -1.0):
+            for tau_value in (0.5, 0.0, -1.0):  # U from the running sums of V (> 0, 0), a product (< 0)
                 case(bsz, heads, length, dim, tau_value, label)
     common._CONFIGS["sm90"] = shipped["sm90"]
 
