@@ -168,7 +168,21 @@ def test_causal_fast_path_training_stays_near_the_yardstick():
     flop = [sum(code_u1.loops[0].tensor_flop.values()), sum(code_u.loops[pass_2].tensor_flop.values())]
     # per score: the one pass q k^T and p @ V, pass 2 of the two passes also m @ V
     assert 3 * flop[0] / (block_u1[0] * block_u1[1]) == 2 * flop[1] / (block_u[0] * block_u[1]), flop
-    problem = replace(problem, tau=0.0)
+    floors = {}
+    for tau in (-1.0, 0.0):
+        problem = replace(problem, tau=tau)
+        for impl in ("lazy (causal fast path)", "FA2-style"):
+            # each kernel's floor (its loops' tensor-core + MUFU cycles alone) is below its modelled time
+            seconds = model.kernel_seconds(impl, "training", codes, problem, 90)
+            floor = model.kernel_seconds(impl, "training", codes, problem, 90, "floor_s")
+            assert all(0 <= floor[key] <= seconds[key] for key in seconds), (impl, tau, floor, seconds)
+            floors[(impl, tau)] = model.scenario_floor(impl, "training", codes, problem, 90)
+            assert floors[(impl, tau)] == pytest.approx(sum(floor.values()))
+    # tau < 0: four passes of exp2 over the scores (two forward, dq, dk/dv) and 11 products against the
+    # yardstick's two and 7; tau = 0: three and 9
+    assert floors[("FA2-style", -1.0)] == floors[("FA2-style", 0.0)]
+    assert floors[("lazy (causal fast path)", -1.0)] > 1.2 * floors[("lazy (causal fast path)", 0.0)], floors
+    assert floors[("lazy (causal fast path)", 0.0)] > 1.2 * floors[("FA2-style", 0.0)], floors
     ratio = (model.scenario_time("lazy (causal fast path)", "training", codes, problem, 90)
              / model.scenario_time("FA2-style", "training", codes, problem, 90))
     assert ratio <= 1.9, ratio
