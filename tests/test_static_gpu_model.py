@@ -176,6 +176,8 @@ def test_causal_fast_path_training_stays_near_the_yardstick():
             seconds = model.kernel_seconds(impl, "training", codes, problem, 90)
             floor = model.kernel_seconds(impl, "training", codes, problem, 90, "floor_s")
             assert all(0 <= floor[key] <= seconds[key] for key in seconds), (impl, tau, floor, seconds)
+            # at D 64 every product of both runs on wgmma: nothing to re-rate
+            assert model.kernel_seconds(impl, "training", codes, problem, 90, "all_wgmma_s") == seconds
             floors[(impl, tau)] = model.scenario_floor(impl, "training", codes, problem, 90)
             assert floors[(impl, tau)] == pytest.approx(sum(floor.values()))
     # tau < 0: four passes of exp2 over the scores (two forward, dq, dk/dv) and 11 products against the
