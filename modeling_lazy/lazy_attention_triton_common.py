@@ -61,8 +61,9 @@ LN2 = 0.6931471805599453
 # build spills registers or needs more shared memory than a block may have (tests/test_triton_aot.py), then by the
 # static GPU model (benchmarks/static_gpu_model.py) where it was swept among builds with pipelined loads (2+ stages:
 # the model does not charge load latency, so it would otherwise prefer 1 stage): the causal forward (sm90 D 64:
-# 128 x 128), the causal backward's dq and dk/dv (4 warps on small tiles model faster than 8); Ampere's mma.sync
-# keeps more of each tile in registers than Hopper's wgmma, so its tiles are smaller. Other GPUs use the sm80 table.
+# 128 x 128), the causal backward's dq and dk/dv (at D 64, 4 warps on 64 x 64 tiles model faster than 8 on
+# larger ones; at D 128 those spill); Ampere's mma.sync keeps more of each tile in registers than Hopper's wgmma,
+# so its tiles are smaller. Other GPUs use the sm80 table.
 _CONFIGS = {
     "sm90": {
         ("fwd", 64): (128, 64, 8, 2),
@@ -89,11 +90,11 @@ _CONFIGS = {
         ("dkdv", 128): (128, 32, 8, 2),
         ("causal_delta", 64): (64, 0, 4, 1),
         ("causal_delta", 128): (32, 0, 4, 1),
-        ("causal_dq", 64): (128, 64, 8, 2),
+        ("causal_dq", 64): (64, 64, 4, 2),
         ("causal_dq", 128): (128, 64, 8, 2),
-        ("causal_dkdv", 64): (64, 128, 8, 2),
+        ("causal_dkdv", 64): (64, 64, 4, 2),
         ("causal_dkdv", 128): (32, 128, 8, 2),
-        ("causal_dkdv_documents", 64): (64, 128, 8, 2),
+        ("causal_dkdv_documents", 64): (64, 64, 4, 2),
         ("causal_dkdv_documents", 128): (32, 128, 8, 2),
     },
     "sm80": {
