@@ -617,17 +617,28 @@ def _causal_backward(grad_out, query, key, value, dq, dk, dv, tau, distance_bias
                   GROUPS=num_heads // kv_heads, scale_log2=scaling * LOG2E, BLOCK_D=block_d, D=dim, UPCAST=_INTERPRET,
                   PRECISION=_DOT_PRECISION[query.dtype], DOCUMENTS=documents is not None)
 
+    work_lists = {}  # per tile height: dq's query tiles and dk/dv's key tiles share one when their heights agree
+
     def grid(block):  # (work list, grid) of `block`-row tiles: B * Hq rows of tiles, or the documents' tiles
         if documents is None:
             return lse, (triton.cdiv(q_len, block), bsz * num_heads)
-        work = _varlen_tiles(documents[:, 2].clamp(min=0), bsz * q_len, block)
-        return work, (work.shape[0], num_heads)
+        if block not in work_lists:
+            work_lists[block] = _varlen_tiles(documents[:, 2].clamp(min=0), bsz * q_len, block)
+        return work_lists[block], (work_lists[block].shape[0], num_heads)
 
-    def launch(kernel, kind, rows_per_program, **arguments):  # each kernel its own band and work list
+    dkdv_kind = "causal_dkdv" if documents is None else "causal_dkdv_documents"
+    # one band for both kernels, padded for the larger BM + BN; each launch reads it from its own BM + BN before
+    # distance 0
+    pad = max(sum(_launch_config(kind, block_d, query.device)[:2]) for kind in ("causal_dq", dkdv_kind))
+    band = _bias_band(distance_bias, scaling, pad, 0)
+
+    def launch(kernel, kind, rows_per_program, **arguments):  # each kernel its own view of the band and work list
         block_m, block_n, num_warps, num_stages = _launch_config(kind, block_d, query.device)
-        band = _bias_band(distance_bias, scaling, block_m, block_n)
         work, programs = grid(rows_per_program(block_m, block_n))
-        wrap_triton(kernel)[programs](**common, **arguments, BAND=band, BAND_LEN=band.shape[-1],
+        wrap_triton(kernel)[programs](**common, **arguments,
+                                      BAND=band.narrow(-1, pad - block_m - block_n,
+                                                       band.shape[-1] - pad + block_m + block_n),
+                                      BAND_LEN=band.stride(1),
                                       DOCS=lse if documents is None else documents, TILES=work,
                                       BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages)
 
@@ -637,7 +648,6 @@ def _causal_backward(grad_out, query, key, value, dq, dk, dv, tau, distance_bias
     delta = torch.empty(bsz, num_heads, q_len, dtype=torch.float32, device=query.device)
     # the thresholds and a copy of the LSE with a dead row's values for a dk/dv query tile past the end (plain
     # layout: unmasked loads there)
-    dkdv_kind = "causal_dkdv" if documents is None else "causal_dkdv_documents"
     t_rows = q_len if documents is not None else q_len + _launch_config(dkdv_kind, block_d, query.device)[0]
     thresholds = torch.empty(bsz, num_heads, t_rows, dtype=torch.float32, device=query.device)
     lse_rows = torch.empty_like(thresholds)
