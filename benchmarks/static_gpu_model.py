@@ -784,11 +784,25 @@ def problem_work(spec: KernelSpec, problem: Problem, blocks: tuple, sms: int) ->
 LAUNCH_S = 2.5e-6  # charged per kernel launch (and per device op a launcher adds), so that launch-bound decode shows
 
 
+# Small device ops (fills, sums, the bias band, the documents' work lists) each launcher runs beside its kernels in
+# one attention call of a scenario, each charged as a launch (`LAUNCH_S`). Lazy's: counted by
+# tests/test_triton_kernels.py (`launcher_device_ops`: the launchers run under the interpreter, every aten op
+# outside the kernels that is not a view or an allocation; MHA, float32 parameters as a model keeps them); the
+# FA2-style backward's: its float32 dq buffer's fill and the conversion to the input dtype (`fa2_backward`).
+LAUNCHER_OPS = {
+    ("lazy (causal fast path)", "forward"): 6, ("lazy (causal fast path)", "forward, tau = 0"): 6,
+    ("lazy (causal fast path)", "training"): 15, ("lazy (causal fast path)", "training, tau >= 0"): 15,
+    ("lazy (per document)", "packed training"): 51, ("lazy (per document)", "padded training"): 51,
+    **{("FA2-style", scenario): 2 for scenario in ("training", "training, tau >= 0", "packed training",
+                                                   "padded training")},
+}
+
+
 def launches(impl: str, scenario: str, problem: Problem, arch: int) -> int:
-    """Launches of one scenario: its kernels, plus what their launchers add. The packed decode sums its split-K
-    partials into the output (one reduction) when it splits; the FA2-style decode is FlashDecoding's split kernel
-    plus its combine (1)."""
-    count = len(SCENARIOS[impl][scenario])
+    """Launches of one scenario: its kernels, plus what their launchers add (`LAUNCHER_OPS`). The packed decode sums
+    its split-K partials into the output (one reduction) when it splits; the FA2-style decode is FlashDecoding's
+    split kernel plus its combine (1)."""
+    count = len(SCENARIOS[impl][scenario]) + LAUNCHER_OPS.get((impl, scenario), 0)
     if scenario == "decode" and impl == "lazy (causal fast path)":
         spec = IMPLEMENTATIONS[impl]["decode_lse"]
         count += _packed_decode_plan(problem, blocks_of(spec, arch, problem.dim)[:2], MACHINES[arch].sms)[1] > 1
@@ -808,6 +822,27 @@ def _vsum_seconds(impl: str, scenario: str, problem: Problem, arch: int) -> dict
             if problem.tau >= 0 else 0.0}
 
 
+def _launcher_op_seconds(impl: str, scenario: str, problem: Problem, arch: int) -> dict:
+    """DRAM time of the launcher ops that move more than a few KB: the FA2-style backward's float32 dq buffer
+    (filled with zeros, then read and written in the input dtype: 4 + 4 + 2 bytes per element); the Lazy causal
+    backward's d distance_bias partials, one float32 row of W per (dq program, head), filled with zeros and summed
+    (4 + 4 bytes each)."""
+    if not scenario.startswith(("training", "packed", "padded")) or impl == "lazy (general)":
+        return {}
+    tokens = sum(problem.documents) if problem.documents else problem.batch * problem.length
+    if impl == "FA2-style":
+        moved = (4 + 4 + 2) * tokens * problem.heads * problem.dim
+    else:
+        block_m = blocks_of(IMPLEMENTATIONS[impl]["dq"], arch, problem.dim)[0]
+        if problem.documents:  # the work list's upper bound of tiles (`_varlen_tiles`), rows of documents and padding
+            runs = len(problem.documents) + len(padding_runs(problem))
+            programs = (problem.batch * problem.length + runs * (block_m - 1)) // block_m
+        else:
+            programs = problem.batch * _cdiv(problem.length, block_m)
+        moved = (4 + 4) * programs * problem.heads * problem.window
+    return {"launcher ops": moved / MACHINES[arch].dram_bytes_per_s}
+
+
 def kernel_seconds(impl: str, scenario: str, codes: dict, problem: Problem, arch: int,
                    measure: str = "seconds") -> dict:
     """Modelled seconds of each kernel of one scenario (its `SCENARIOS` keys), launches not charged; with
@@ -819,7 +854,7 @@ def kernel_seconds(impl: str, scenario: str, codes: dict, problem: Problem, arch
         block_m, block_n, _, _ = blocks_of(spec, arch, problem.dim)
         work = problem_work(spec, problem, (block_m, block_n), MACHINES[arch].sms)
         seconds[key] = kernel_time(codes[(spec, arch, problem.dim)], work, arch)[measure]
-    return seconds | _vsum_seconds(impl, scenario, problem, arch)
+    return seconds | _vsum_seconds(impl, scenario, problem, arch) | _launcher_op_seconds(impl, scenario, problem, arch)
 
 
 def scenario_floor(impl: str, scenario: str, codes: dict, problem: Problem, arch: int) -> float:

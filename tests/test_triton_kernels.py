@@ -505,6 +505,80 @@ def model_workloads_take_the_document_path(kernels):
     return seen
 
 
+_NO_LAUNCH = {"view", "_unsafe_view", "transpose", "t", "as_strided", "expand", "slice", "select", "unsqueeze",
+              "squeeze", "permute", "alias", "detach", "empty", "empty_like", "empty_strided", "new_empty",
+              "new_empty_strided", "_reshape_alias", "lift_fresh", "split", "unbind", "narrow", "reshape",
+              "split_with_sizes", "resolve_conj", "resolve_neg"}
+
+
+def launcher_device_ops(kernels):
+    """The small device ops the causal launchers run beside their kernels in one attention call (every aten op
+    outside the kernels that is not a view, an allocation or a no-op conversion) are the numbers the static GPU
+    model charges as launches (`LAUNCHER_OPS`): the plain layout's inference forward and training step, and a packed
+    and a padded training step, MHA, float32 parameters, the sm90 blocks; and the Triton kernels launched are the
+    model's (`SCENARIOS`, plus the running sums of V in training)."""
+    import triton.runtime.interpreter as interpreter
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    import modeling_lazy.lazy_attention_ops as ops
+    from benchmarks import static_gpu_model as model
+
+    state = {"in_kernel": 0, "log": None}
+    run_grid = interpreter.GridExecutor.__call__
+
+    def kernel_launch(self, *args, **kwargs):
+        state["log"].append("kernel")
+        state["in_kernel"] += 1
+        try:
+            return run_grid(self, *args, **kwargs)
+        finally:
+            state["in_kernel"] -= 1
+
+    class DeviceOps(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            name = func.overloadpacket.__name__
+            no_op = name in ("to", "contiguous") and out is args[0]
+            if not state["in_kernel"] and name not in _NO_LAUNCH and not no_op:
+                state["log"].append(name)
+            return out
+
+    def counted(launcher):
+        def run(*args, **kwargs):
+            with DeviceOps():
+                return launcher(*args, **kwargs)
+        return run
+
+    originals = (ops._causal_forward, ops._backward, interpreter.GridExecutor.__call__)
+    ops._causal_forward, ops._backward = counted(ops._causal_forward), counted(ops._backward)
+    interpreter.GridExecutor.__call__ = kernel_launch
+    counts = {}
+    try:
+        for scenario, kind, training in (("forward", None, False), ("training", None, True),
+                                         ("packed training", "packed", True), ("padded training", "right", True)):
+            if kind is None:
+                meta, bsz = as_metadata(*metadata(2, 96, 96), causal=True), 2
+            else:
+                bsz = 1 if kind == "packed" else 3
+                meta = document_metadata(kind, bsz, 96)[0]
+            query, key, value, tau, bias, grad = make_inputs(bsz, 4, 4, 96, 96, 64, 32, torch.bfloat16, -1.0)
+            leaves = [x.clone().requires_grad_(training) for x in (query, key, value, tau, bias)]
+            state["log"] = []
+            with torch.set_grad_enabled(training):
+                out = kernels.lazy_attention_triton(*leaves, meta, 0.125)
+                if training:
+                    out.backward(grad.to(out.dtype))
+            launched = state["log"].count("kernel")
+            counts[scenario] = (launched, len(state["log"]) - launched)
+    finally:
+        ops._causal_forward, ops._backward, interpreter.GridExecutor.__call__ = originals
+    for scenario, (launched, device_ops) in counts.items():
+        impl = "lazy (per document)" if scenario.startswith(("packed", "padded")) else "lazy (causal fast path)"
+        assert device_ops == model.LAUNCHER_OPS[(impl, scenario)], (scenario, counts)
+        assert launched == len(model.SCENARIOS[impl][scenario]) + scenario.endswith("training"), (scenario, counts)
+    return counts
+
+
 def causal_forward_stores_u(kernels):
     """With `store_u` (what training runs) the causal fast-path forward also returns U_i = sum_j m_ij v_j (m_ij = 1
     where the weight is > 0), from which its backward takes Delta and d tau, against float64: both block tables, three
@@ -1045,6 +1119,7 @@ CASES = {
     "paged-decode": paged_decode_matches_contiguous_and_reference,
     "paged-prefill-mixed-batch": paged_prefill_mixed_batch,
     "refuses-what-it-cannot-run": refuses_what_it_cannot_run,
+    "launcher-device-ops": launcher_device_ops,
     "model-greedy-generation-triton-vs-eager": model_greedy_generation_matches_eager,
     "compiled-static-cache-generation": compiled_static_cache_generation,
 }
