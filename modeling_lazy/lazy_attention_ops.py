@@ -243,6 +243,13 @@ def _torch_autograd(ctx, grad_out, _grad_lse):
 # ---------------------------------------------------------------------------------------------------
 
 
+def _work_lists(documents: torch.Tensor) -> dict:
+    """The launchers' work lists of one document table, kept while it lives: every layer of a forward, and their
+    backwards, read the same table (`document_table` builds it once per forward), so the lists are built by the
+    first call only (18 small device ops each)."""
+    return _parameter_fact(documents, "work lists", dict)
+
+
 def _triton_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, tau: torch.Tensor,
                       distance_bias: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor, q_seg: torch.Tensor,
                       k_seg: torch.Tensor, causal: bool, store_u: bool, scaling: float,
@@ -254,7 +261,7 @@ def _triton_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     when not stored."""
     if documents is not None:
         out, lse, u = _causal_forward(query, key, value, tau, distance_bias, q_pos, scaling,
-                                      _check_inputs(query, key), store_u, documents)
+                                      _check_inputs(query, key), store_u, documents, _work_lists(documents))
     elif causal and query.shape[2] > DECODE_MAX_ROWS:
         out, lse, u = _causal_forward(query, key, value, tau, distance_bias, q_pos, scaling,
                                       _check_inputs(query, key), store_u)
@@ -272,7 +279,8 @@ def _triton_attention_backward(grad_out: torch.Tensor, query: torch.Tensor, key:
                                u: torch.Tensor, causal: bool, scaling: float, documents: torch.Tensor | None = None
                                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     dq, dk, dv, d_tau, d_bias = _backward(grad_out, query, key, value, tau, distance_bias, q_pos, k_pos, q_seg, k_seg,
-                                          lse, scaling, causal=causal, out=out, u=u, documents=documents)
+                                          lse, scaling, causal=causal, out=out, u=u, documents=documents,
+                                          work_lists=None if documents is None else _work_lists(documents))
     return dq, dk, dv, d_tau.to(tau.dtype), d_bias.to(distance_bias.dtype)
 
 

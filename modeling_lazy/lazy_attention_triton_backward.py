@@ -555,12 +555,13 @@ def _with_gradient_buffer(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _backward(grad_out, query, key, value, tau, distance_bias, q_pos, k_pos, q_seg, k_seg, lse, scaling,
-              causal=False, out=None, u=None, documents=None) -> BackwardResult:
+              causal=False, out=None, u=None, documents=None, work_lists=None) -> BackwardResult:
     """Launch Delta (with d tau partials), dq, then dk/dv (with d distance_bias partials); no atomics across programs.
 
     `causal` (the metadata's plain causal layout) runs the causal fast path for query lengths > 16, as the forward
     does; it needs the forward's `out` and `u` (`_causal_forward(..., store_u=True)`); so does `documents` (the
-    forward's document table: the causal fast path per document; its runs of padding get zero gradients).
+    forward's document table: the causal fast path per document; its runs of padding get zero gradients;
+    `work_lists`, a dict the caller may keep per document table, holds the work lists built from it).
     Returns `BackwardResult(dq, dk, dv, d_tau [Hq] float32, d_bias [Hq, W] float32)`."""
     block_d = _check_inputs(query, key)
     bsz, num_heads, q_len, dim = query.shape
@@ -571,7 +572,7 @@ def _backward(grad_out, query, key, value, tau, distance_bias, q_pos, k_pos, q_s
         if out is None or u is None:
             raise ValueError("the causal fast-path backward needs the forward's out and U (store_u=True)")
         return _causal_backward(grad_out, query, key, value, dq, dk, dv, tau, distance_bias, q_pos, q_seg, lse,
-                                scaling, block_d, out, u, documents)
+                                scaling, block_d, out, u, documents, work_lists)
     groups = num_heads // kv_heads
     tau32 = tau.detach().to(torch.float32).contiguous()
     bias32 = distance_bias.detach().to(torch.float32).contiguous()
@@ -603,7 +604,7 @@ def _backward(grad_out, query, key, value, tau, distance_bias, q_pos, k_pos, q_s
 
 
 def _causal_backward(grad_out, query, key, value, dq, dk, dv, tau, distance_bias, q_pos, q_seg, lse, scaling,
-                     block_d, out, u, documents=None) -> BackwardResult:
+                     block_d, out, u, documents=None, work_lists=None) -> BackwardResult:
     """The causal fast-path backward (after `_causal_forward` with `store_u`: its `out` and `u`, and its `documents`
     table if any): Delta from U, dq, dk/dv; `_backward`'s results. With documents, the Delta kernel writes the zero
     gradients of the table's runs of padding (no fill first), and the dq and dk/dv work lists hold the documents'
@@ -617,14 +618,16 @@ def _causal_backward(grad_out, query, key, value, dq, dk, dv, tau, distance_bias
                   GROUPS=num_heads // kv_heads, scale_log2=scaling * LOG2E, BLOCK_D=block_d, D=dim, UPCAST=_INTERPRET,
                   PRECISION=_DOT_PRECISION[query.dtype], DOCUMENTS=documents is not None)
 
-    work_lists = {}  # per tile height: dq's query tiles and dk/dv's key tiles share one when their heights agree
+    # per tile height: dq's query tiles and dk/dv's key tiles share one when their heights agree
+    work_lists = {} if work_lists is None else work_lists
 
     def grid(block):  # (work list, grid) of `block`-row tiles: B * Hq rows of tiles, or the documents' tiles
         if documents is None:
             return lse, (triton.cdiv(q_len, block), bsz * num_heads)
-        if block not in work_lists:
-            work_lists[block] = _varlen_tiles(documents[:, 2].clamp(min=0), bsz * q_len, block)
-        return work_lists[block], (work_lists[block].shape[0], num_heads)
+        name = ("backward", block, bsz * q_len)  # the documents' tiles only
+        if name not in work_lists:
+            work_lists[name] = _varlen_tiles(documents[:, 2].clamp(min=0), bsz * q_len, block)
+        return work_lists[name], (work_lists[name].shape[0], num_heads)
 
     dkdv_kind = "causal_dkdv" if documents is None else "causal_dkdv_documents"
     # one band for both kernels, padded for the larger BM + BN; each launch reads it from its own BM + BN before

@@ -585,7 +585,7 @@ def _forward(query, key, value, tau, distance_bias, q_pos, k_pos, q_seg, k_seg, 
 
 
 def _causal_forward(query, key, value, tau, distance_bias, q_pos, scaling, block_d, store_u=False,
-                    documents=None) -> ForwardResult:
+                    documents=None, work_lists=None) -> ForwardResult:
     """The causal fast-path forward: `ForwardResult(out [B, Tq, Hq, D], lse [B, Hq, Tq] float32 in log2 units (what
     `_causal_backward` reads), u)`; `store_u` (training): u is `U_i = sum_j m_ij v_j`, `[B, Tq, Hq, D]`, for
     `_causal_backward`, stored as `out` is (the query dtype: `(tau / n) U` is a term of O); otherwise None. Training
@@ -615,14 +615,15 @@ def _causal_forward(query, key, value, tau, distance_bias, q_pos, scaling, block
             V=value, TAU=tau_f32, DOCS=lse if documents is None else documents, VSUM=vsum, **_strides("v", value),
             **_strides("s", vsum), Tk=k_len, GROUPS=num_heads // kv_heads, BLOCK_M=block_t, BLOCK_D=block_d, D=dim,
             DOCUMENTS=documents is not None, num_warps=sum_warps, num_stages=sum_stages)
-    work_lists = {}  # per tile height: the two builds of training share one when their BM agree
+    work_lists = {} if work_lists is None else work_lists  # the two builds of training share one when their BM agree
     for (block_m, block_n, num_warps, num_stages), passes in configs:
         if documents is None:
             tiles, grid = lse, (triton.cdiv(q_len, block_m), bsz * num_heads)
         else:
-            if block_m not in work_lists:
-                work_lists[block_m] = _varlen_tiles(documents[:, 2].abs(), bsz * q_len, block_m)
-            tiles = work_lists[block_m]
+            name = ("forward", block_m, bsz * q_len)  # every run, padding included: the forward writes every token
+            if name not in work_lists:
+                work_lists[name] = _varlen_tiles(documents[:, 2].abs(), bsz * q_len, block_m)
+            tiles = work_lists[name]
             grid = (tiles.shape[0], num_heads)
         wrap_triton(_lazy_causal_fwd_kernel)[grid](
             Q=query, K=key, V=value, TAU=tau_f32, BAND=band.narrow(-1, pad - block_m - block_n,
