@@ -8,11 +8,14 @@ also per document (7 builds), the packed decode also from per-row key starts (2)
 With LAZY_AOT_ALL_DTYPES=1 the float16 builds (same lowering, also spill-free) and the float32 builds
 (IEEE float32 dots: the exact path for checks, not tuned, so they spill: not checked for spills) run
 too (~7 min more). `python benchmarks/aot_compile_table.py` prints the same facts as a table; every test checks
-that table's registers and spill bytes against its own measurements.
+that table's registers and spill bytes against its own measurements. The kernels also compile as Inductor
+re-emits them under `torch.compile` (each kernel once, sm_90).
 """
 
 import os
 import shutil
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -85,3 +88,44 @@ def test_cuobjdump_is_shipped_with_triton():
     from benchmarks.aot_compile_table import _cuobjdump
 
     assert shutil.which(_cuobjdump()) or os.path.exists(_cuobjdump())
+
+
+def test_kernels_compile_as_inductor_re_emits_them():
+    """Under `torch.compile` with the Inductor backend a user-defined Triton kernel is not run from its module: Inductor
+    re-emits its source and that of every `@triton.jit` helper it reaches (by the names the kernel's globals bind) into
+    a module of its own, with its own imports, and Triton compiles that. A helper bound under another name, a global
+    Inductor does not carry (a plain float), or a name its imports shadow compiles here and fails there. Each kernel
+    is re-emitted with Inductor's own function and imports and compiled for sm_90 (bfloat16, D 64, its first build)."""
+    import importlib.util
+
+    from torch._inductor.codegen.triton import TritonKernel
+    from torch._inductor.codegen.wrapper import user_defined_triton_kernel_transitive_closure_source_code
+
+    from benchmarks.aot_compile_table import _DTYPE_NAMES, _constexprs, _family, aot_compile, load_kernels
+
+    module = load_kernels()
+    builds = {}
+    for build in shipped_builds((torch.bfloat16,)):
+        if build.arch == 90 and build.head_dim == 64:
+            builds.setdefault(build.kernel, build)
+    assert len(builds) == 14
+    directory = Path(tempfile.mkdtemp())
+    try:
+        for index, (name, build) in enumerate(builds.items()):
+            renamed = f"{name}_0"  # Inductor names each kernel it defines uniquely
+            source = user_defined_triton_kernel_transitive_closure_source_code(getattr(module, name))
+            text = (TritonKernel.gen_common_triton_imports() + "\n@triton.jit\n"
+                    + source.replace(f"def {name}(", f"def {renamed}("))
+            path = directory / f"inductor_kernel_{index}.py"
+            path.write_text(text)
+            spec = importlib.util.spec_from_file_location(f"inductor_kernel_{index}", path)
+            emitted = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(emitted)
+            pointers = {arg: _DTYPE_NAMES[build.dtype] if kind == "input" else kind
+                        for arg, kind in module.AOT_KERNELS[name][1].items()}
+            constexprs = _constexprs(module, build)
+            _, _, num_warps, num_stages = module._config(build.kind, constexprs["BLOCK_D"], _family(build))
+            compiled = aot_compile(getattr(emitted, renamed), pointers, constexprs, 90, num_warps, num_stages)
+            assert compiled.asm["cubin"], name
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
