@@ -955,9 +955,8 @@ def build_report(archs, dims, workers) -> dict:
             for scenario, length, problem in rows:
                 base = scenario_time("FA2-style", scenario, codes, problem, arch)
                 base_floor = scenario_floor("FA2-style", scenario, codes, problem, arch)
-                base_wgmma = base + sum(
-                    kernel_seconds("FA2-style", scenario, codes, problem, arch, "all_wgmma_s").values()) - sum(
-                    kernel_seconds("FA2-style", scenario, codes, problem, arch).values())
+                base_wgmma = LAUNCH_S * launches("FA2-style", scenario, problem, arch) + sum(
+                    kernel_seconds("FA2-style", scenario, codes, problem, arch, "all_wgmma_s").values())
                 for impl in IMPLEMENTATIONS:
                     if impl == "FA2-style" or scenario not in SCENARIOS[impl]:
                         continue

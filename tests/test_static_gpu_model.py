@@ -179,12 +179,12 @@ def test_causal_fast_path_training_stays_near_the_yardstick():
             # at D 64 every product of both runs on wgmma: nothing to re-rate
             assert model.kernel_seconds(impl, "training", codes, problem, 90, "all_wgmma_s") == seconds
             floors[(impl, tau)] = model.scenario_floor(impl, "training", codes, problem, 90)
-            assert floors[(impl, tau)] == pytest.approx(sum(floor.values()))
     # tau < 0: four passes of exp2 over the scores (two forward, dq, dk/dv) and 11 products against the
     # yardstick's two and 7; tau = 0: three and 9
     assert floors[("FA2-style", -1.0)] == floors[("FA2-style", 0.0)]
     assert floors[("lazy (causal fast path)", -1.0)] > 1.2 * floors[("lazy (causal fast path)", 0.0)], floors
     assert floors[("lazy (causal fast path)", 0.0)] > 1.2 * floors[("FA2-style", 0.0)], floors
+    problem = replace(problem, tau=0.0)
     ratio = (model.scenario_time("lazy (causal fast path)", "training", codes, problem, 90)
              / model.scenario_time("FA2-style", "training", codes, problem, 90))
     assert ratio <= 1.9, ratio
