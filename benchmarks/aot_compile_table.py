@@ -119,11 +119,13 @@ def _constexprs(module, build: Build) -> dict:
                 KEY_START=build.key_start, KEY_MASK=build.key_mask)
 
 
-def aot_compile(fn, pointer_types: dict, constexprs: dict, arch: int, num_warps: int, num_stages: int):
+def aot_compile(fn, pointer_types: dict, constexprs: dict, arch: int, num_warps: int, num_stages: int,
+                float_type: str = "fp32"):
     """`triton.compile` a `@triton.jit` kernel for `sm_<arch>` without a GPU.
 
     `pointer_types` maps each pointer argument to its element type ("bf16", "fp32", ...); every other
-    non-constexpr argument is an int32 except `scale*` arguments (float32). Pointers and `stride*` arguments
+    non-constexpr argument is an int32 except `scal*` arguments (Python floats: `float_type`, "fp32" as the JIT
+    types them, "fp64" as Inductor does). Pointers and `stride*` arguments
     get the 16-divisibility the JIT sees for aligned tensors. Returns the compiled kernel (`.asm['ptx']`,
     `.asm['cubin']`, `.metadata`).
     """
@@ -139,7 +141,7 @@ def aot_compile(fn, pointer_types: dict, constexprs: dict, arch: int, num_warps:
         if name in pointer_types:
             signature[name] = "*" + pointer_types[name]
         elif name.startswith("scal"):
-            signature[name] = "fp32"
+            signature[name] = float_type
         else:
             signature[name] = "i32"
         if signature[name].startswith("*") or name.startswith("stride"):

@@ -51,6 +51,7 @@ def _lazy_paged_fwd_kernel(Q, K, V, TAU, BAND, BLOCK_TABLE, QUERY_START, KLEN, T
     through the request's block table. Grid: (len(TILES), Hq); TILES [programs, 2] int32 holds (request, first
     query row of the tile), request -1 for a spare program (no rows, no keys). Request r's query rows are
     Q[QUERY_START[r] : QUERY_START[r + 1]], its keys 0 .. KLEN[r] - 1, its row i at position KLEN[r] - q_len + i."""
+    scale_log2 = tl.cast(scale_log2, tl.float32)  # Inductor passes Python floats as float64
     pid = tl.program_id(0)
     h = tl.program_id(1)
     hk = (h // GROUPS).to(tl.int64)

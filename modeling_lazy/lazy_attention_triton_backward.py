@@ -94,6 +94,7 @@ def _lazy_bwd_delta_kernel(Q, K, V, TAU, BIAS, QPOS, KPOS, QSEG, KSEG, LSE, DO, 
     Also writes this tile's d tau partial, sum_i (1/n_i) sum_j m_ij dP_ij, to DTAU_PART [B * Hq, q tiles].
     Only row sums live across the loop, so this sweep is light; all-dead key tiles read no V.
     """
+    scaling = tl.cast(scaling, tl.float32)  # Inductor passes Python floats as float64
     pid_m, pid_bh, b, h, hk, rows, offs_d, row_mask, hi = _bwd_query_ids(Hq, Tq, Tk, GROUPS, BLOCK_M, BLOCK_D)
     q, do, q_pos, q_seg, lse, inv_n, threshold = _bwd_query_loads(
         Q, DO, TAU, QPOS, QSEG, LSE, stride_qb, stride_qh, stride_qt, stride_dob, stride_doh, stride_dot, pid_bh, b,
@@ -132,6 +133,7 @@ def _lazy_bwd_dq_kernel(Q, K, V, TAU, BIAS, QPOS, KPOS, QSEG, KSEG, LSE, DO, DEL
 
     dq stays dense (an all-dead tile still has dS = -p * Delta), but such a tile reads no V and skips dO V^T.
     """
+    scaling = tl.cast(scaling, tl.float32)  # Inductor passes Python floats as float64
     pid_m, pid_bh, b, h, hk, rows, offs_d, row_mask, hi = _bwd_query_ids(Hq, Tq, Tk, GROUPS, BLOCK_M, BLOCK_D)
     q, do, q_pos, q_seg, lse, inv_n, threshold = _bwd_query_loads(
         Q, DO, TAU, QPOS, QSEG, LSE, stride_qb, stride_qh, stride_qt, stride_dob, stride_doh, stride_dot, pid_bh, b,
@@ -173,6 +175,7 @@ def _lazy_bwd_dkdv_kernel(Q, K, V, TAU, BIAS, QPOS, KPOS, QSEG, KSEG, LSE, DELTA
     row of DBIAS_PART [B * Hq * cdiv(Tk, BN), W], reduced by the launcher; several entries of one tile share
     a distance, so the scatter into that private row uses `atomic_add` (no other program touches it).
     """
+    scaling = tl.cast(scaling, tl.float32)  # Inductor passes Python floats as float64
     pid_n = tl.program_id(0)
     pid_bkv = tl.program_id(1)
     b = (pid_bkv // Hkv).to(tl.int64)
@@ -374,6 +377,8 @@ def _lazy_causal_bwd_dq_kernel(Q, K, V, TAU, BAND, QPOS, QSEG, LSE, DO, DELTA, D
     ranges, and the query tile's d distance_bias partial, a private float32 row of DBIAS_PART
     [programs, W] (which no other program adds to). Grid (cdiv(Tq, BM), B * Hq), or with `DOCUMENTS` (see
     `_lazy_causal_fwd_kernel`) (len(TILES), Hq)."""
+    # Inductor passes Python floats as float64
+    scale_log2, scaling = tl.cast(scale_log2, tl.float32), tl.cast(scaling, tl.float32)
     tl.static_assert(BLOCK_N <= BLOCK_M)  # `_diagonal_sums`' square blocks tile the dS tile
     if DOCUMENTS:
         h = tl.program_id(1).to(tl.int64)
@@ -487,6 +492,8 @@ def _lazy_causal_bwd_dkdv_kernel(Q, K, V, BAND, LSE, DELTA, THR, DO, DK, DV, DOC
     terms the launcher sums over each group with it (a loop over the group here would keep every loop's invariants
     live at once: spills). Grid: (cdiv(Tk, BN), B * Hq), or with `DOCUMENTS` (see `_lazy_causal_fwd_kernel`; TILES
     of BN-key tiles) (len(TILES), Hq)."""
+    # Inductor passes Python floats as float64
+    scale_log2, scaling = tl.cast(scale_log2, tl.float32), tl.cast(scaling, tl.float32)
     if DOCUMENTS:
         h = tl.program_id(1).to(tl.int64)
         doc = tl.load(TILES + 2 * tl.program_id(0))

@@ -132,6 +132,7 @@ def _lazy_decode_lse_kernel(Q, K, BAND, KLEN, KSTART, BLOCK_TABLE, QPOS, QSEG, K
     `KEY_MASK`: any layout: query row (b, t) sees key j when QSEG[b, t] == KSEG[b, j] and j is not after it, at
     distance QPOS[b, t] - KPOS[b, j] (`stride_sb`: the batch stride of KSEG and KPOS; one loop, the band gathered).
     Grid: (splits, B * Hkv, cdiv(GROUPS * Tq, BM))."""
+    scale_log2 = tl.cast(scale_log2, tl.float32)  # Inductor passes Python floats as float64
     k_len = tl.load(KLEN + tl.program_id(1) // Hkv)
     k_start = tl.load(KSTART + tl.program_id(1) // Hkv) if KEY_START else 0
     split, b, h, t, row_id, row_mask, q_key_idx, lo, hi, kv_base = _decode_rows(

@@ -143,6 +143,7 @@ def _lazy_fwd_kernel(Q, K, V, TAU, BIAS, QPOS, KPOS, QSEG, KSEG, OUT, LSE,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, D: tl.constexpr,
                      UPCAST: tl.constexpr, PRECISION: tl.constexpr):
     """One query tile of one query head: pass 1 (LSE), pass 2 (output). Grid: (cdiv(Tq, BM), B * Hq)."""
+    scaling = tl.cast(scaling, tl.float32)  # Inductor passes Python floats as float64
     # One "split" covering every key: lo = 0, hi = the tile's causal limit.
     _, pid_bh, _, b, h, hk, rows, row_mask, q_key_idx, _, hi = _query_tile_ids(Hq, Tq, Tk, GROUPS, Tk, BLOCK_M)
     q, q_pos, q_seg = _query_tile_loads(Q, QPOS, QSEG, stride_qb, stride_qh, stride_qt, b, h, rows, row_mask, Tq,
@@ -172,6 +173,7 @@ def _lazy_fwd_split_lse_kernel(Q, K, BIAS, QPOS, KPOS, QSEG, KSEG, M_PART, L_PAR
                                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                                D: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
     """Split-K pass 1: partial row max / sum of exp for one slice of keys -> M_PART, L_PART [S, B*Hq, Tq]."""
+    scaling = tl.cast(scaling, tl.float32)  # Inductor passes Python floats as float64
     pid_m, pid_bh, split, b, h, hk, rows, row_mask, q_key_idx, lo, hi = _query_tile_ids(
         Hq, Tq, Tk, GROUPS, KEYS_PER_SPLIT, BLOCK_M)
     q, q_pos, q_seg = _query_tile_loads(Q, QPOS, QSEG, stride_qb, stride_qh, stride_qt, b, h, rows, row_mask, Tq,
@@ -192,6 +194,7 @@ def _lazy_fwd_split_out_kernel(Q, K, V, TAU, BIAS, QPOS, KPOS, QSEG, KSEG, LSE, 
                                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                                D: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
     """Split-K pass 2: partial float32 output of one key slice -> O_PART [S, B, Tq, Hq, D] (summed after)."""
+    scaling = tl.cast(scaling, tl.float32)  # Inductor passes Python floats as float64
     pid_m, pid_bh, split, b, h, hk, rows, row_mask, q_key_idx, lo, hi = _query_tile_ids(
         Hq, Tq, Tk, GROUPS, KEYS_PER_SPLIT, BLOCK_M)
     q, q_pos, q_seg = _query_tile_loads(Q, QPOS, QSEG, stride_qb, stride_qh, stride_qt, b, h, rows, row_mask, Tq,
@@ -469,6 +472,7 @@ def _lazy_causal_fwd_kernel(Q, K, V, TAU, BAND, QPOS, OUT, LSE, U, DOCS, TILES, 
     TILES the work list (`_varlen_tiles`: document, first row; -1 for a spare program); program (t, h) runs tile t
     of query head h, grid (len(TILES), Hq). A run of padding is a DOCS row of negative length (`document_table`):
     its tiles write out 0, u 0 and the dead-row LSE, reading nothing, so the launcher fills nothing first."""
+    scale_log2 = tl.cast(scale_log2, tl.float32)  # Inductor passes Python floats as float64
     padding = False
     if DOCUMENTS:
         h = tl.program_id(1)

@@ -9,7 +9,8 @@ With LAZY_AOT_ALL_DTYPES=1 the float16 builds (same lowering, also spill-free) a
 (IEEE float32 dots: the exact path for checks, not tuned, so they spill: not checked for spills) run
 too (~7 min more). `python benchmarks/aot_compile_table.py` prints the same facts as a table; every test checks
 that table's registers and spill bytes against its own measurements. The kernels also compile as Inductor
-re-emits them under `torch.compile` (each kernel once, sm_90).
+re-emits them under `torch.compile`, with its signature's float64 float arguments (each sm_90 build at D 64, ~1.5
+min).
 """
 
 import os
@@ -93,39 +94,56 @@ def test_cuobjdump_is_shipped_with_triton():
 def test_kernels_compile_as_inductor_re_emits_them():
     """Under `torch.compile` with the Inductor backend a user-defined Triton kernel is not run from its module: Inductor
     re-emits its source and that of every `@triton.jit` helper it reaches (by the names the kernel's globals bind) into
-    a module of its own, with its own imports, and Triton compiles that. A helper bound under another name, a global
-    Inductor does not carry (a plain float), or a name its imports shadow compiles here and fails there. Each kernel
-    is re-emitted with Inductor's own function and imports and compiled for sm_90 (bfloat16, D 64, its first build)."""
+    a module of its own, with its own imports, and Triton compiles that with Inductor's signature, which types a
+    Python float argument as float64 where the JIT types it float32. A helper bound under another name, a global
+    Inductor does not carry (a plain float), a name its imports shadow, or a float argument that makes a loop's
+    running values float64 compiles here and fails there (or runs in float64: the kernels convert each float
+    argument to float32 first). Every sm_90 bfloat16 build at D 64 is re-emitted with Inductor's own function and
+    imports, compiled with Inductor's float type, and its PTX may hold no float64 instruction but that conversion."""
     import importlib.util
+    import re
 
+    from torch._inductor import config as inductor_config
     from torch._inductor.codegen.triton import TritonKernel
     from torch._inductor.codegen.wrapper import user_defined_triton_kernel_transitive_closure_source_code
 
     from benchmarks.aot_compile_table import _DTYPE_NAMES, _constexprs, _family, aot_compile, load_kernels
 
+    float_type = "fp64" if getattr(inductor_config, "_use_fp64_for_unbacked_floats", False) else "fp32"
     module = load_kernels()
-    builds = {}
-    for build in shipped_builds((torch.bfloat16,)):
-        if build.arch == 90 and build.head_dim == 64:
-            builds.setdefault(build.kernel, build)
-    assert len(builds) == 14
+    builds = [build for build in shipped_builds((torch.bfloat16,)) if build.arch == 90 and build.head_dim == 64]
+    assert len({build.kernel for build in builds}) == 14
     directory = Path(tempfile.mkdtemp())
+    emitted = {}
+    problems = []
     try:
-        for index, (name, build) in enumerate(builds.items()):
-            renamed = f"{name}_0"  # Inductor names each kernel it defines uniquely
-            source = user_defined_triton_kernel_transitive_closure_source_code(getattr(module, name))
-            text = (TritonKernel.gen_common_triton_imports() + "\n@triton.jit\n"
-                    + source.replace(f"def {name}(", f"def {renamed}("))
-            path = directory / f"inductor_kernel_{index}.py"
-            path.write_text(text)
-            spec = importlib.util.spec_from_file_location(f"inductor_kernel_{index}", path)
-            emitted = importlib.util.module_from_spec(spec)
-            spec.loader.exec_module(emitted)
+        for build in builds:
+            name = build.kernel
+            if name not in emitted:
+                renamed = f"{name}_0"  # Inductor names each kernel it defines uniquely
+                source = user_defined_triton_kernel_transitive_closure_source_code(getattr(module, name))
+                text = (TritonKernel.gen_common_triton_imports() + "\n@triton.jit\n"
+                        + source.replace(f"def {name}(", f"def {renamed}("))
+                path = directory / f"inductor_{name}.py"
+                path.write_text(text)
+                spec = importlib.util.spec_from_file_location(f"inductor_{name}", path)
+                loaded = importlib.util.module_from_spec(spec)
+                spec.loader.exec_module(loaded)
+                emitted[name] = getattr(loaded, renamed)
             pointers = {arg: _DTYPE_NAMES[build.dtype] if kind == "input" else kind
                         for arg, kind in module.AOT_KERNELS[name][1].items()}
             constexprs = _constexprs(module, build)
             _, _, num_warps, num_stages = module._config(build.kind, constexprs["BLOCK_D"], _family(build))
-            compiled = aot_compile(getattr(emitted, renamed), pointers, constexprs, 90, num_warps, num_stages)
-            assert compiled.asm["cubin"], name
+            try:
+                compiled = aot_compile(emitted[name], pointers, constexprs, 90, num_warps, num_stages, float_type)
+            except Exception as error:  # noqa: BLE001 - every build's failure is reported
+                while error.__cause__ is not None:  # Triton's message of the innermost call
+                    error = error.__cause__
+                problems.append(f"{build.label}: {type(error).__name__}: {str(error)[-600:]}")
+                continue
+            float64 = set(re.findall(r"\b[a-z]+(?:\.[a-z0-9]+)*\.f64\b", compiled.asm["ptx"])) - {"cvt.rn.f32.f64"}
+            if float64:
+                problems.append(f"{build.label}: float64 arithmetic under Inductor's signature: {sorted(float64)}")
     finally:
         shutil.rmtree(directory, ignore_errors=True)
+    assert not problems, "\n".join(problems)
