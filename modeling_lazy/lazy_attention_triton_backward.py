@@ -27,7 +27,8 @@ from .lazy_attention_triton_common import (
     DECODE_MAX_ROWS,
     LOG2E,
     BackwardResult,
-    _bias_band,
+    _band_from,
+    _causal_band,
     _causal_key_ranges,
     _causal_scores,
     _check_inputs,
@@ -637,17 +638,13 @@ def _causal_backward(grad_out, query, key, value, dq, dk, dv, tau, distance_bias
         return work_lists[name], (work_lists[name].shape[0], num_heads)
 
     dkdv_kind = "causal_dkdv" if documents is None else "causal_dkdv_documents"
-    # one band for both kernels, padded for the larger BM + BN; each launch reads it from its own BM + BN before
-    # distance 0
-    pad = max(sum(_launch_config(kind, block_d, query.device)[:2]) for kind in ("causal_dq", dkdv_kind))
-    band = _bias_band(distance_bias, scaling, pad, 0)
+    band, pad = _causal_band(distance_bias, scaling, block_d, query.device)  # the forward's, kept with distance_bias
 
     def launch(kernel, kind, rows_per_program, **arguments):  # each kernel its own view of the band and work list
         block_m, block_n, num_warps, num_stages = _launch_config(kind, block_d, query.device)
         work, programs = grid(rows_per_program(block_m, block_n))
         wrap_triton(kernel)[programs](**common, **arguments,
-                                      BAND=band.narrow(-1, pad - block_m - block_n,
-                                                       band.shape[-1] - pad + block_m + block_n),
+                                      BAND=_band_from(band, pad, block_m, block_n),
                                       BAND_LEN=band.stride(1),
                                       DOCS=lse if documents is None else documents, TILES=work,
                                       BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages)

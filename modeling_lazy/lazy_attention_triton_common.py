@@ -437,6 +437,32 @@ def _bias_band(distance_bias: torch.Tensor, scaling: float, block_m: int, block_
     return torch.cat([rows.new_full((2, heads, neg), float("-inf")), rows, rows.new_zeros(2, heads, neg)], dim=-1)
 
 
+def _kept_band(distance_bias: torch.Tensor, scaling: float, pad: int) -> torch.Tensor:
+    """`_bias_band` with `pad` (= BM + BN) entries before distance 0, built once per value of `distance_bias` and kept
+    with it: every later call (the backward of the same step, every inference call, each decode step) reads the same
+    band instead of building it again (6 small device ops). A launch whose BM + BN is smaller reads it from its own
+    BM + BN before distance 0 (`_band_from`)."""
+    from .lazy_attention_torch import _parameter_fact  # the PyTorch path keeps the per-parameter facts
+
+    return _parameter_fact(distance_bias, ("band", float(scaling), pad),
+                           lambda: _bias_band(distance_bias, scaling, pad, 0))
+
+
+def _band_from(band: torch.Tensor, pad: int, block_m: int, block_n: int) -> torch.Tensor:
+    """The view of a band padded with `pad` entries that a launch of blocks `block_m x block_n` reads."""
+    return band.narrow(-1, pad - block_m - block_n, band.shape[-1] - pad + block_m + block_n)
+
+
+CAUSAL_KINDS = ("causal_fwd", "causal_fwd_u1", "causal_fwd_u", "causal_dq", "causal_dkdv", "causal_dkdv_documents")
+
+
+def _causal_band(distance_bias: torch.Tensor, scaling: float, block_d: int, device: torch.device):
+    """`(band, pad)`: the band every causal fast-path launch of this head dim reads (forward and backward: one kept
+    band, padded for the largest BM + BN among their builds)."""
+    pad = max(sum(_launch_config(kind, block_d, device)[:2]) for kind in CAUSAL_KINDS)
+    return _kept_band(distance_bias, scaling, pad), pad
+
+
 def _strides(name: str, x: torch.Tensor, b: int = 0, h: int = 1, t: int = 2) -> dict[str, int]:
     """The kernel keywords `stride_{name}b, stride_{name}h, stride_{name}t` of `x`: its strides along the batch,
     head and token dims (`[B, H, T, D]` by default; `h=2, t=1` for a `[B, T, H, D]` tensor)."""

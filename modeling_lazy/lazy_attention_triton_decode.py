@@ -16,12 +16,12 @@ from .lazy_attention_triton_common import (
     LN2,
     LOG2E,
     ForwardResult,
-    _bias_band,
     _cache_rows,
     _causal_scores,
     _check_inputs,
     _device_splits,
     _dot,
+    _kept_band,
     _launch_config,
     _row_threshold,
     _scores,
@@ -256,7 +256,7 @@ def _packed_decode(query, key, value, tau, distance_bias, q_pos, key_lengths, sc
     keys_per_split = triton.cdiv(triton.cdiv(key_capacity, num_splits), block_n) * block_n
     num_splits = triton.cdiv(key_capacity, keys_per_split)
     grid = (num_splits, bsz * kv_heads, row_tiles)
-    band = _decode_band(distance_bias, scaling, block_m, block_n)
+    band = _kept_band(distance_bias, scaling, block_m + block_n)
     f32 = dict(dtype=torch.float32, device=query.device)
     scores = torch.empty(bsz, num_heads, q_len, key_capacity, **f32)
     m_part = torch.empty(num_splits, bsz, num_heads, q_len, **f32)
@@ -286,12 +286,3 @@ def _packed_decode(query, key, value, tau, distance_bias, q_pos, key_lengths, sc
     if num_splits > 1:  # one reduction, float32 inside, converted as it stores
         torch.sum(o_part, 0, out=out)
     return ForwardResult(out, lse)
-
-
-def _decode_band(distance_bias, scaling, block_m, block_n):
-    """`_bias_band`, built once per value of `distance_bias` (a decode step's layers would rebuild it every call: a
-    few launches each, against two for the decode itself)."""
-    from .lazy_attention_torch import _parameter_fact  # the PyTorch path keeps the per-parameter facts
-
-    return _parameter_fact(distance_bias, ("decode_band", float(scaling), block_m, block_n),
-                           lambda: _bias_band(distance_bias, scaling, block_m, block_n))

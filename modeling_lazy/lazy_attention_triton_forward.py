@@ -32,7 +32,8 @@ from .lazy_attention_triton_common import (
     DECODE_MAX_ROWS,
     LOG2E,
     ForwardResult,
-    _bias_band,
+    _band_from,
+    _causal_band,
     _causal_key_ranges,
     _causal_scores,
     _check_inputs,
@@ -605,8 +606,7 @@ def _causal_forward(query, key, value, tau, distance_bias, q_pos, scaling, block
     # training runs the heads of one pass and those of two passes as two launches of their own builds and blocks
     builds = [("causal_fwd_u1", 1), ("causal_fwd_u", 2)] if store_u else [("causal_fwd", 0)]
     configs = [(_launch_config(kind, block_d, query.device), passes) for kind, passes in builds]
-    pad = max(block_m + block_n for (block_m, block_n, _, _), _ in configs)
-    band = _bias_band(distance_bias, scaling, pad, 0)  # each launch reads it from its own BM + BN before distance 0
+    band, pad = _causal_band(distance_bias, scaling, block_d, query.device)  # kept with distance_bias
     out = torch.empty(bsz, q_len, num_heads, dim, dtype=query.dtype, device=query.device)
     lse = torch.empty(bsz, num_heads, q_len, dtype=torch.float32, device=query.device)
     u = torch.empty_like(out) if store_u else None
@@ -630,9 +630,7 @@ def _causal_forward(query, key, value, tau, distance_bias, q_pos, scaling, block
             tiles = work_lists[name]
             grid = (tiles.shape[0], num_heads)
         wrap_triton(_lazy_causal_fwd_kernel)[grid](
-            Q=query, K=key, V=value, TAU=tau_f32, BAND=band.narrow(-1, pad - block_m - block_n,
-                                                                  band.shape[-1] - pad + block_m + block_n),
-            QPOS=q_pos,
+            Q=query, K=key, V=value, TAU=tau_f32, BAND=_band_from(band, pad, block_m, block_n), QPOS=q_pos,
             OUT=out, LSE=lse, U=u if store_u else lse, DOCS=lse if documents is None else documents, TILES=tiles,
             VSUM=vsum, STORE_U=store_u, DOCUMENTS=documents is not None, PASSES=passes,
             **_strides("q", query), **_strides("k", key), **_strides("v", value), **_strides("o", out, h=2, t=1),

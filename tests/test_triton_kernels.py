@@ -564,8 +564,14 @@ def launcher_device_ops(kernels):
                 meta = document_metadata(kind, bsz, 96)[0]
             query, key, value, tau, bias, grad = make_inputs(bsz, 4, 4, 96, 96, 64, 32, torch.bfloat16, -1.0)
             results = []
-            for layer in ("first", "next"):  # two layers of one step: the same metadata, so the same document table
-                leaves = [x.clone().requires_grad_(training) for x in (query, key, value, tau, bias)]
+            # two layers of one step (the same metadata, so the same document table; each its own parameters), then
+            # the second layer again on the same parameters (inference: a later call; training: a second micro-batch
+            # before the optimizer step): the band kept with its distance_bias is not built again
+            for layer in ("first", "next", "again"):
+                if layer != "again":
+                    leaves = [x.clone().requires_grad_(training) for x in (query, key, value, tau, bias)]
+                for leaf in leaves:
+                    leaf.grad = None
                 state["log"] = []
                 with torch.set_grad_enabled(training):
                     out = kernels.lazy_attention_triton(*leaves, meta, 0.125)
@@ -574,16 +580,22 @@ def launcher_device_ops(kernels):
                 launched = state["log"].count("kernel")
                 counts[(scenario, layer)] = (launched, len(state["log"]) - launched)
                 results.append([out.detach()] + [leaf.grad for leaf in leaves if training])
-            # the next layer's kernels, on the first one's work lists, give the same bits
-            assert all(torch.equal(a, b) for a, b in zip(*results)), scenario
+            # the next layer's kernels, on the first one's work lists, and the call again, on the kept band, give the
+            # same bits
+            assert all(torch.equal(a, b) for other in results[1:] for a, b in zip(results[0], other)), scenario
     finally:
         ops._causal_forward, ops._backward, interpreter.GridExecutor.__call__ = originals
     for (scenario, layer), (launched, device_ops) in counts.items():
         impl = "lazy (per document)" if scenario.startswith(("packed", "padded")) else "lazy (causal fast path)"
         # the model charges a layer after the first; the first builds the documents' two work lists (forward and
-        # backward tiles)
-        first = 2 * model.WORK_LIST_OPS if impl == "lazy (per document)" and layer == "first" else 0
-        assert device_ops == model.LAUNCHER_OPS[(impl, scenario)] + first, (scenario, layer, counts)
+        # backward tiles). Training charges the band (a step's parameters are new), inference does not (built at a
+        # layer's first call only): a new distance_bias adds it to inference, the same one takes it from training.
+        extra = 2 * model.WORK_LIST_OPS if impl == "lazy (per document)" and layer == "first" else 0
+        if layer == "again":
+            extra -= model.BAND_OPS if scenario.endswith("training") else 0
+        else:
+            extra += 0 if scenario.endswith("training") else model.BAND_OPS
+        assert device_ops == model.LAUNCHER_OPS[(impl, scenario)] + extra, (scenario, layer, counts)
         assert launched == len(model.SCENARIOS[impl][scenario]) + scenario.endswith("training"), (scenario, counts)
     return {f"{scenario} ({layer})": count for (scenario, layer), count in counts.items()}
 
