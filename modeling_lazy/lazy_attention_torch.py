@@ -490,8 +490,11 @@ _PARAMETER_FACTS: dict[int, tuple[weakref.ref, dict]] = {}
 
 
 def _parameter_fact(tensor: torch.Tensor, what, build):
-    """`build()`, computed once per value of `tensor` (see `_PARAMETER_FACTS`)."""
-    if torch.compiler.is_compiling() or type(tensor) not in (torch.Tensor, torch.nn.Parameter):
+    """`build()`, computed once per value of `tensor` (see `_PARAMETER_FACTS`). An inference tensor (a model built or
+    loaded under `torch.inference_mode()`) has no version counter to stamp, and may change in place unseen: no
+    caching."""
+    if (torch.compiler.is_compiling() or type(tensor) not in (torch.Tensor, torch.nn.Parameter)
+            or tensor.is_inference()):
         return build()
     key = id(tensor)
     entry = _PARAMETER_FACTS.get(key)

@@ -266,6 +266,34 @@ def test_cached_bias_facts_follow_in_place_updates_and_longer_caches(rng_seed):
                     bias[1, :3] = float("-inf")  # -inf appears: rows that see only these distances give 0
 
 
+def test_a_model_of_inference_tensors_runs_and_sees_in_place_updates(rng_seed):
+    """A model built or loaded under `torch.inference_mode()` holds inference tensors, which have no version counter
+    to stamp a cached fact with: its forward and `generate()` run, nothing is cached for them, and they give what the
+    same weights give in a model of ordinary tensors, also after the bias changes in place inside inference mode."""
+    from tests.conftest import tiny_model
+
+    model = tiny_model(seed=rng_seed, attn_implementation="lazy")
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.tau.normal_(-0.5, 0.5)
+    ids = torch.randint(3, 97, (2, 11))
+    with torch.inference_mode():
+        twin = tiny_model(attn_implementation="lazy")
+        twin.load_state_dict(model.state_dict())
+        assert twin.model.layers[0].self_attn.distance_bias.is_inference()
+        for step in range(2):
+            with torch.no_grad():
+                want = model(ids).logits
+                want_tokens = model.generate(ids, max_new_tokens=4, min_new_tokens=4, do_sample=False)
+            torch.testing.assert_close(twin(ids).logits, want, atol=1e-5, rtol=1e-5,
+                                       msg=f"step {step}, seed {rng_seed}")
+            assert torch.equal(twin.generate(ids, max_new_tokens=4, min_new_tokens=4, do_sample=False), want_tokens)
+            for mine, theirs in zip(twin.model.layers, model.model.layers):  # the same change to both, in place
+                mine.self_attn.distance_bias.mul_(-3.0).add_(0.5)
+                with torch.no_grad():
+                    theirs.self_attn.distance_bias.mul_(-3.0).add_(0.5)
+
+
 def test_left_padded_batched_generate_decodes_with_the_native_op(monkeypatch, rng_seed):
     """Batched `generate()` with left padding: every decode step of every layer runs the native op with per-row key
     starts, and each row generates what its prompt generates alone (Elastic-Softmax's n_i follows the positions)."""
