@@ -266,10 +266,12 @@ def test_cached_bias_facts_follow_in_place_updates_and_longer_caches(rng_seed):
                     bias[1, :3] = float("-inf")  # -inf appears: rows that see only these distances give 0
 
 
-def test_a_model_of_inference_tensors_runs_and_sees_in_place_updates(rng_seed):
-    """A model built or loaded under `torch.inference_mode()` holds inference tensors, which have no version counter
-    to stamp a cached fact with: its forward and `generate()` run, nothing is cached for them, and they give what the
-    same weights give in a model of ordinary tensors, also after the bias changes in place inside inference mode."""
+def test_inference_mode_runs_and_sees_in_place_updates(rng_seed):
+    """Under `torch.inference_mode()` every tensor a call makes (positions, masks, caches) is an inference tensor, and
+    so is every parameter of a model built or loaded there: such tensors have no version counter to stamp a cached
+    fact with. An ordinary model's `generate()` of a left-padded batch, and a model of inference tensors, run there
+    (nothing is cached for inference tensors) and give what the same weights give under `no_grad`, also after the
+    bias changes in place inside inference mode."""
     from tests.conftest import tiny_model
 
     model = tiny_model(seed=rng_seed, attn_implementation="lazy")
@@ -277,7 +279,13 @@ def test_a_model_of_inference_tensors_runs_and_sees_in_place_updates(rng_seed):
         for layer in model.model.layers:
             layer.self_attn.tau.normal_(-0.5, 0.5)
     ids = torch.randint(3, 97, (2, 11))
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0
+    with torch.no_grad():
+        padded = model.generate(ids, attention_mask=mask, max_new_tokens=4, min_new_tokens=4, do_sample=False)
     with torch.inference_mode():
+        assert torch.equal(model.generate(ids, attention_mask=mask, max_new_tokens=4, min_new_tokens=4,
+                                          do_sample=False), padded)
         twin = tiny_model(attn_implementation="lazy")
         twin.load_state_dict(model.state_dict())
         assert twin.model.layers[0].self_attn.distance_bias.is_inference()
