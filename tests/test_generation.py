@@ -222,3 +222,29 @@ def test_compiled_forward_with_a_cache_concatenates_and_continues_in_place(model
         assert all(layer._spare is not None for layer in cache.layers)  # the eager steps wrote in place
         full = model(ids).logits
     torch.testing.assert_close(torch.cat(steps, 1), full, atol=1e-5, rtol=1e-5)
+
+
+def test_text_generation_pipeline_matches_generate(tmp_path, rng_seed):
+    """transformers' `pipeline("text-generation")` loads a saved LazyLlama through the Auto classes, pads a batch of
+    prompts on the left, and returns for each prompt the greedy continuation `generate()` gives it alone."""
+    from finetune_fixtures import write_tiny_model
+    from transformers import AutoTokenizer, pipeline
+
+    folder = write_tiny_model(tmp_path / "model", seed=rng_seed)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    tokenizer.padding_side = "left"
+    generator = pipeline("text-generation", model=str(folder), tokenizer=tokenizer, device="cpu")
+    with torch.no_grad():
+        for layer in generator.model.model.layers:  # heads that cut weights, a bias that is not all zero
+            layer.self_attn.tau.normal_(-0.5, 0.3)
+            layer.self_attn.distance_bias.normal_(0.0, 0.5)
+    prompts = ["the quick brown fox jumps", "a"]
+    outputs = generator(prompts, batch_size=2, max_new_tokens=6, min_new_tokens=6, do_sample=False,
+                        return_full_text=False)
+    for prompt, output in zip(prompts, outputs):
+        ids = tokenizer(prompt, return_tensors="pt").input_ids
+        with torch.no_grad():
+            alone = generator.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6,
+                                             min_new_tokens=6, do_sample=False)
+        assert output[0]["generated_text"] == tokenizer.decode(alone[0, ids.shape[1]:], skip_special_tokens=True), (
+            f"{prompt!r}, seed {rng_seed}")
