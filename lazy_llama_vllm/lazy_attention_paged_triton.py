@@ -23,8 +23,8 @@ from modeling_lazy.lazy_attention_triton_common import (
     _DOT_PRECISION,
     _INTERPRET,
     LOG2E,
-    _bias_band,
     _check_inputs,
+    _kept_band,
     _last_dim_contiguous,
     _launch_config,
     _load_rows,
@@ -86,7 +86,7 @@ def _paged_prefill(query, key, value, block_table, query_start_loc, seq_lens, ta
     tiles = _varlen_tiles(query_start_loc.diff(), num_tokens, block_m, max_query_len)
     if tiles.shape[0] == 0:
         return out
-    band = _bias_band(distance_bias, scaling, block_m, block_n)
+    band = _kept_band(distance_bias, scaling, block_m + block_n)  # kept with distance_bias, as the decode's
     wrap_triton(_lazy_paged_fwd_kernel)[(tiles.shape[0], num_heads)](
         Q=query, K=key, V=value, TAU=tau.detach().to(torch.float32).contiguous(), BAND=band, BLOCK_TABLE=block_table,
         QUERY_START=query_start_loc, KLEN=seq_lens, TILES=tiles, OUT=out,
