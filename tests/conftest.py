@@ -2,6 +2,7 @@
 
 import os
 import random
+import socket
 
 import pytest
 import torch
@@ -37,6 +38,13 @@ def tiny_model(seed=None, attn_implementation=None, **overrides) -> LazyLlamaFor
     if attn_implementation is not None:
         model.set_attn_implementation(attn_implementation)
     return model.eval()
+
+
+def free_port() -> int:
+    """A local TCP port free now, for a torchrun rendezvous (a fixed one fails when something else holds it)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 SEED_ENV = "LAZY_LLAMA_TEST_SEED"

@@ -3,14 +3,13 @@
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import tiny_model
+from conftest import free_port, tiny_model
 from finetune_fixtures import write_corpora, write_tiny_model
 from safetensors.torch import load_file
 
@@ -18,16 +17,10 @@ ROOT = Path(__file__).resolve().parents[1]
 WORKER = Path(__file__).resolve().parent / "distributed_worker.py"
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def torchrun(*args, nproc: int = 2, script=WORKER) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-               "--master-port", str(_free_port())]
+               "--master-port", str(free_port())]
     command += [str(script)] if script is not None else []
     result = subprocess.run([*command, *map(str, args)], cwd=ROOT, env=env, timeout=600, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-5000:]

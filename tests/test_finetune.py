@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import free_port
 from finetune_fixtures import write_corpora, write_tiny_model
 from safetensors.torch import load_file
 from transformers import TrainingArguments
@@ -244,7 +245,7 @@ def test_torchrun_two_process_gloo_matches_single_process(workspace, tmp_path):
     subprocess.run([sys.executable, *_cli(workspace, single, 8)], cwd=ROOT, env=env, check=True, timeout=300,
                    capture_output=True)
     result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "29533",
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
          *_cli(workspace, ddp, 4), "--ddp-backend", "gloo"],
         cwd=ROOT, env=env, timeout=300, capture_output=True, text=True,
     )
