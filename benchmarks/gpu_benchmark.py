@@ -492,10 +492,25 @@ def decode_workloads(device, shrink=1, tolerance=4e-2, heads=32, kv_heads=8, dim
             print(f"| B 8, {length} keys | {name} | {ms:.4f} | {ms / times['sdpa']:.2f} | {error} |", flush=True)
 
 
+def _innermost(error: BaseException) -> BaseException:
+    while error.__cause__ is not None:  # Triton's compiler message sits at the bottom of Inductor's chain
+        error = error.__cause__
+    return error
+
+
+def _report_failure(check: str, error: BaseException) -> None:
+    """One table row for a failed check, and its innermost error in full on stderr."""
+    print(f"| {check} | FAILED: {type(error).__name__}: {str(error).splitlines()[-1][:300]} |", flush=True)
+    cause = _innermost(error)
+    print(f"{check}, innermost error: {type(cause).__name__}: {str(cause)[-4000:]}", file=sys.stderr, flush=True)
+
+
 def model_check(device, compile_step=True) -> None:
     """The whole model on the GPU: float32 logits of the Triton path against the eager reference (padded batch),
-    greedy generation equal to eager's, and a compiled bf16 training step (torch.compile over the op layer) whose
-    loss and gradients match the uncompiled step and whose profile shows the project's Triton kernels."""
+    greedy generation equal to eager's, and the two places `torch.compile` (Inductor) meets the project's Triton
+    kernels: a compiled bf16 training step (torch.compile over the op layer) whose loss and gradients match the
+    uncompiled step and whose profile shows the project's Triton kernels, and `generate()` with a static cache,
+    which transformers compiles on GPUs (the decode forward), whose tokens match the uncompiled decode."""
     from modeling_lazy import LazyLlamaConfig, LazyLlamaForCausalLM
 
     config = LazyLlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
@@ -518,7 +533,11 @@ def model_check(device, compile_step=True) -> None:
     same = torch.equal(tokens_lazy, tokens_eager)
     print(f"\n| check | result |\n|---|---|\n| float32 logits, Triton vs eager (padded batch) | {error:.1e} |")
     print(f"| greedy generate, Triton vs eager (16 tokens) | {'identical' if same else 'DIFFERENT'} |", flush=True)
-    model.train().to(torch.bfloat16)
+    if not compile_step:
+        return
+    model.to(torch.bfloat16)
+    compiled_generation_check(model, ids[:, :40], mask[:, :40])
+    model.train()
     batch = torch.randint(3, 512, (2, 512), device=device)
 
     def step(m):
@@ -528,20 +547,12 @@ def model_check(device, compile_step=True) -> None:
         return loss.detach().float(), [p.grad.float().clone() for p in m.parameters() if p.grad is not None]
 
     loss_eager, grads_eager = step(model)
-    if not compile_step:
-        return
     compiled = torch.compile(model)
     started = time.perf_counter()
     try:
         loss_compiled, grads_compiled = step(compiled)
     except Exception as error:  # noqa: BLE001 - reported, the timings go on
-        print(f"| compiled bf16 training step | FAILED: {type(error).__name__}: {str(error).splitlines()[-1][:300]} |",
-              flush=True)
-        cause = error
-        while cause.__cause__ is not None:  # the innermost error (Triton's compiler message) in full, on stderr
-            cause = cause.__cause__
-        print(f"compiled step, innermost error: {type(cause).__name__}: {str(cause)[-4000:]}", file=sys.stderr,
-              flush=True)
+        _report_failure("compiled bf16 training step", error)
         return
     compile_s = time.perf_counter() - started
     grad_error = max(_relative(a, b) for a, b in zip(grads_compiled, grads_eager))
@@ -553,6 +564,26 @@ def model_check(device, compile_step=True) -> None:
           f"{loss_compiled.item():.4f} (first step {compile_s:.0f} s with compilation) |")
     print(f"| compiled step: max relative gradient difference | {grad_error:.1e} |")
     print(f"| compiled step: Lazy Triton kernels in the profile | {', '.join(kernels) or 'NONE'} |", flush=True)
+
+
+def compiled_generation_check(model, ids, mask) -> None:
+    """Greedy `generate()` of a left-padded batch with a static cache, compiled (what transformers does on GPUs for
+    a static cache; Inductor, fullgraph) against the same without compiling: the same tokens (bf16 model)."""
+    from transformers import CompileConfig
+
+    arguments = dict(attention_mask=mask, max_new_tokens=16, min_new_tokens=16, do_sample=False,
+                     cache_implementation="static")
+    with torch.no_grad():
+        plain = model.generate(ids, **arguments, disable_compile=True)
+        started = time.perf_counter()
+        try:
+            compiled = model.generate(ids, **arguments, compile_config=CompileConfig(fullgraph=True, dynamic=False))
+        except Exception as error:  # noqa: BLE001 - reported, the checks go on
+            _report_failure("compiled static-cache generate", error)
+            return
+    print(f"| compiled bf16 static-cache generate (left-padded batch of 2, 16 tokens), compiled vs not | "
+          f"{'identical' if torch.equal(plain, compiled) else 'DIFFERENT'} (first call "
+          f"{time.perf_counter() - started:.0f} s with compilation) |", flush=True)
 
 
 def main() -> None:
