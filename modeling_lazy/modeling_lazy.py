@@ -596,6 +596,16 @@ class LazyLlamaForCausalLM(LazyLlamaPreTrainedModel, GenerationMixin):
             **{CACHE_FIELD: getattr(outputs, CACHE_FIELD)},
         )
 
+    def init_continuous_batching(self, *args, **kwargs):
+        """Refused with one line: transformers' continuous batching (`generate_batch`, `generate(cache_implementation=
+        "paged")`, `transformers serve`) admits only its softmax attention backends (`paged|eager`, `sdpa`, flash)."""
+        raise ValueError(
+            "LazyLlama cannot run transformers' continuous batching (generate_batch, cache_implementation=\"paged\"): "
+            "it admits only softmax attention backends (paged|eager, sdpa, flash), which cannot express "
+            "Elastic-Softmax. Batch prompts with generate() (left padding), or serve with vLLM (make serve), whose "
+            "LazyLlama backend batches continuously."
+        )
+
     def _valid_auto_compile_criteria(self, model_kwargs, generation_config) -> bool:
         """`generate()`'s decision to compile its decode forward, where a `compile_config` the caller passes
         also compiles on CPU.

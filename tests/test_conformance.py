@@ -19,6 +19,7 @@ from transformers import (
     CompileConfig,
     DataCollatorWithFlattening,
     DynamicCache,
+    GenerationConfig,
     LlamaConfig,
     LlamaForCausalLM,
     StaticCache,
@@ -139,6 +140,25 @@ def test_assisted_and_prompt_lookup_decoding_equal_greedy(rng_seed):
     greedy = model.generate(prompt, **kwargs)
     assert torch.equal(model.generate(prompt, assistant_model=assistant, **kwargs), greedy)
     assert torch.equal(model.generate(prompt, prompt_lookup_num_tokens=3, **kwargs), greedy)
+
+
+def test_continuous_batching_is_refused_with_one_line(rng_seed):
+    """transformers' continuous batching admits only its softmax backends: each of its three entries gets one
+    ValueError that names the alternatives (not transformers' advice to switch to sdpa, which LazyLlama refuses)."""
+    model = tiny_model()
+    config = GenerationConfig(max_new_tokens=3, do_sample=False, eos_token_id=-1, pad_token_id=0)
+    entries = {
+        "generate_batch": lambda: model.generate_batch(inputs=[[1, 5, 6]], generation_config=config),
+        "init_continuous_batching": lambda: model.init_continuous_batching(generation_config=config),
+        "generate(paged)": lambda: model.generate(torch.tensor([[1, 5, 6]]), cache_implementation="paged",
+                                                  max_new_tokens=3, pad_token_id=0),
+    }
+    for name, call in entries.items():
+        with pytest.raises(ValueError, match="cannot run transformers' continuous batching") as raised:
+            call()
+        message = str(raised.value)
+        assert "\n" not in message and "make serve" in message and "generate()" in message, name
+    assert model.config._attn_implementation == "lazy"
 
 
 def test_resize_token_embeddings(rng_seed):
