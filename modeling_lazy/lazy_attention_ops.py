@@ -206,8 +206,21 @@ def _torch_attention_backward(grad_out: torch.Tensor, query: torch.Tensor, key: 
                               lse: torch.Tensor, causal: bool, scaling: float
                               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     metadata = _concrete_metadata(q_pos, k_pos, q_seg, k_seg, key_offset, causal, True)
-    return torch_backward(grad_out, query, key, value, tau, distance_bias, metadata,
-                          None if lse.numel() == 0 and metadata.causal else lse, scaling)
+    grads = torch_backward(grad_out, query, key, value, tau, distance_bias, metadata,
+                           None if lse.numel() == 0 and metadata.causal else lse, scaling)
+    return _laid_out_as_promised(grads, (query, key, value, tau, distance_bias))
+
+
+def _laid_out_as_promised(grads, inputs) -> tuple[torch.Tensor, ...]:
+    """The backward operators' gradients with the strides their fakes promise (`torch.empty_like` of each input):
+    Inductor asserts every output's strides against the fake (a slice such as the bias gradient's first W columns
+    would fail that); a copy only where they differ."""
+    laid_out = []
+    for grad, x in zip(grads, inputs):
+        if grad.stride() != torch.empty_like(x, device="meta").stride():
+            grad = torch.empty_like(x, dtype=grad.dtype).copy_(grad)
+        laid_out.append(grad)
+    return tuple(laid_out)
 
 
 def _torch_attention_fake(query, key, value, tau, distance_bias, q_pos, k_pos, q_seg, k_seg, key_offset, causal,
@@ -281,7 +294,8 @@ def _triton_attention_backward(grad_out: torch.Tensor, query: torch.Tensor, key:
     dq, dk, dv, d_tau, d_bias = _backward(grad_out, query, key, value, tau, distance_bias, q_pos, k_pos, q_seg, k_seg,
                                           lse, scaling, causal=causal, out=out, u=u, documents=documents,
                                           work_lists=None if documents is None else _work_lists(documents))
-    return dq, dk, dv, d_tau.to(tau.dtype), d_bias.to(distance_bias.dtype)
+    return _laid_out_as_promised((dq, dk, dv, d_tau.to(tau.dtype), d_bias.to(distance_bias.dtype)),
+                                 (query, key, value, tau, distance_bias))
 
 
 def _triton_setup_context(ctx, inputs, output):

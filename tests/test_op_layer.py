@@ -135,6 +135,20 @@ def test_pytorch_operator_passes_opcheck(q_len, k_len, padded, rng_seed):
 
 
 @pytest.mark.parametrize("q_len, k_len, padded", [(12, 12, False), (12, 20, True)])
+def test_backward_operator_passes_opcheck(q_len, k_len, padded, rng_seed):
+    """`lazy_llama::attention_backward` against its fake, strides included (Inductor asserts every output's strides
+    against the fake): with the query laid out as the model hands it over ([B, T, H, D] memory)."""
+    (q, k, v, tau, bias), meta, scaling = _op_inputs(rng_seed, q_len, k_len, padded)
+    q = q.transpose(1, 2).contiguous().transpose(1, 2)
+    forward = (q, k, v, tau, bias, meta.q_pos, meta.k_pos, meta.q_seg, meta.k_seg, None, meta.causal, scaling, True)
+    out, lse = torch.ops.lazy_llama.attention(*forward)
+    grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(rng_seed))
+    args = (grad_out, q, k, v, tau, bias, meta.q_pos, meta.k_pos, meta.q_seg, meta.k_seg, None, lse, meta.causal,
+            scaling)
+    torch.library.opcheck(torch.ops.lazy_llama.attention_backward.default, args)
+
+
+@pytest.mark.parametrize("q_len, k_len, padded", [(12, 12, False), (12, 20, True)])
 def test_operator_gradients_equal_the_float64_reference(q_len, k_len, padded, rng_seed):
     """The op layer's autograd (register_autograd -> lazy_llama::attention_backward) gives the float64 reference's
     output and five gradients."""
@@ -221,6 +235,29 @@ def test_compiled_training_step_runs_the_operators_without_graph_breaks(rng_seed
     with torch.compiler.set_stance("fail_on_recompile"):
         other = torch.randint(3, 97, (2, 17), generator=gen)
         torch.autograd.grad(compiled(other), list(model.parameters()))
+
+
+def test_inductor_compiled_training_step_equals_eager(rng_seed):
+    """`torch.compile(model)` with its default backend (Inductor, which asserts each operator output's strides against
+    its fake) trains: plain rows, packed documents (restarting `position_ids`) and right-padded rows give eager's loss
+    and gradients."""
+    gen = torch.Generator().manual_seed(rng_seed)
+    ids = torch.randint(3, 97, (2, 12), generator=gen)
+    mask = torch.ones_like(ids)
+    mask[1, 8:] = 0
+    layouts = {"plain": {}, "packed": {"position_ids": torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 0, 1, 2, 3]] * 2)},
+               "padded": {"attention_mask": mask}}
+    torch.manual_seed(rng_seed)
+    model = tiny_model().train()
+    compiled = torch.compile(model)
+    for name, inputs in layouts.items():
+        loss = model(ids, labels=ids, **inputs).loss
+        want = torch.autograd.grad(loss, list(model.parameters()))
+        got_loss = compiled(ids, labels=ids, **inputs).loss
+        got = torch.autograd.grad(got_loss, list(model.parameters()))
+        torch.testing.assert_close(got_loss, loss, atol=1e-5, rtol=1e-5, msg=name)
+        for (param, _), a, b in zip(model.named_parameters(), got, want):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4, msg=f"{name}: {param}")
 
 
 def test_explain_counts_no_graph_break_in_a_static_cache_decode_step(rng_seed):
