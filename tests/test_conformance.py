@@ -161,6 +161,39 @@ def test_continuous_batching_is_refused_with_one_line(rng_seed):
     assert model.config._attn_implementation == "lazy"
 
 
+def test_torch_export_and_the_executorch_static_cache_export(rng_seed):
+    """`torch.export` (as for Llama: `use_cache=False`, since a returned `DynamicCache` is no pytree) of a left-padded
+    batch gives eager's logits through `lazy_llama::attention`; transformers' ExecuTorch export
+    (`convert_and_export_with_cache`: a static cache in the program) decodes generate()'s greedy tokens, one token
+    per call."""
+    model = tiny_model()
+    gen = torch.Generator().manual_seed(rng_seed)
+    ids = torch.randint(3, 97, (2, 9), generator=gen)
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    program = torch.export.export(model, (ids,), kwargs={"attention_mask": mask, "use_cache": False})
+    assert {str(node.target) for node in program.graph.nodes if "lazy_llama" in str(node.target)} == {
+        "lazy_llama.attention.default"}
+    torch.testing.assert_close(program.module()(ids, attention_mask=mask, use_cache=False).logits,
+                               model(ids, attention_mask=mask, use_cache=False).logits, atol=1e-5, rtol=1e-5)
+
+    from transformers.integrations.executorch import convert_and_export_with_cache
+    model.generation_config = GenerationConfig(use_cache=True, cache_implementation="static", max_length=24,
+                                               cache_config={"batch_size": 1, "max_cache_len": 24})
+    step = convert_and_export_with_cache(model).module()
+    prompt = ids[1:, :6]
+    want = model.generate(prompt, max_new_tokens=8, do_sample=False, pad_token_id=0, eos_token_id=None)[0, 6:]
+    got, position = [], 0
+    for token in prompt[0].tolist():
+        logits = step(input_ids=torch.tensor([[token]]), cache_position=torch.tensor([position]))
+        position += 1
+    for _ in range(len(want)):
+        got.append(int(logits[0, -1].argmax()))
+        logits = step(input_ids=torch.tensor([[got[-1]]]), cache_position=torch.tensor([position]))
+        position += 1
+    assert got == want.tolist(), (got, want.tolist())
+
+
 def test_resize_token_embeddings(rng_seed):
     model = tiny_model(tie_word_embeddings=True)
     ids = torch.randint(3, 97, (1, 8))
