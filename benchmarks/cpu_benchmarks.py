@@ -306,8 +306,9 @@ def bench_workloads(size):
     """The workloads of BENCHMARKS.md's "What runs where" table that the model table does not time apart, tau = -1,
     both models on the same inputs: one optimizer step on a right-padded SFT batch (labels -100 on padding) and on
     the packed batch as TRL's padding-free collator gives it (`position_ids` restarting per document and
-    `cu_seq_lens_q/k`, no mask), `generate()` with a static cache (eager, and compiled through `compile_config`), and
-    a prefill of `torch.compile`d models (inductor; the first, compiling call is the warm-up)."""
+    `cu_seq_lens_q/k`, no mask), that packed step of both models wrapped in `torch.compile` (inductor),
+    `generate()` with a static cache (eager, and compiled through `compile_config`), and a prefill of the
+    `torch.compile`d models (inductor; the first, compiling call of each is the warm-up)."""
     print("\n### Workloads: LazyLlama time / LlamaForCausalLM (sdpa) time, tau = -1; tokens/s ratio = 1 / this\n")
     print(_row(["workload", "path (CPU)", "time ratio (spread)", "tokens/s ratio", "lazy s", "llama s"]))
     print(_row(["---"] * 6))
@@ -340,6 +341,9 @@ def bench_workloads(size):
          "causal chunks per row", "padded train step", lambda: _train_ratio(lazy, llama, rounds, **padded)),
         (f"TRL padding-free batch, train step ({len(docs)} documents, {length} tokens, cu_seq_lens)",
          "causal chunks per document", "padding-free train step", lambda: _train_ratio(lazy, llama, rounds, **flat)),
+        (f"TRL padding-free batch, train step, torch.compile (inductor) ({len(docs)} documents, {length} tokens)",
+         "the op layer's operators: causal chunks per document", "padding-free train step compiled",
+         lambda: _train_ratio(compiled[lazy], compiled[llama], rounds, **flat)),
         (f"generate {size['new_tokens']} after {prompt.shape[1]}, static cache (eager)",
          "the op cuts the buffer to its written keys: native decode", "generate static cache",
          lambda: interleaved_ratio(lambda: lazy.generate(prompt, **static), lambda: llama.generate(prompt, **static),
@@ -352,7 +356,7 @@ def bench_workloads(size):
          "prefill compiled", lambda: interleaved_ratio(lambda: compiled_prefill(lazy), lambda: compiled_prefill(llama),
                                                        size["rounds"])),
     ]
-    for label, path, measure, run in rows if size.get("train_steps", True) else rows[2:]:
+    for label, path, measure, run in rows if size.get("train_steps", True) else rows[3:]:
         r = run()
         print(_row([label, path, _fmt(*r[:3]), f"{1 / r[0]:.2f}x", f"{r[3]:.3f}", f"{r[4]:.3f}"]))
         _record("workloads", measure=measure, label=label, tau=-1.0, **_raw(r))
