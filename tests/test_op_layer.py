@@ -240,7 +240,7 @@ def test_compiled_training_step_runs_the_operators_without_graph_breaks(rng_seed
 def test_inductor_compiled_training_step_equals_eager(rng_seed):
     """`torch.compile(model)` with its default backend (Inductor, which asserts each operator output's strides against
     its fake) trains: plain rows, packed documents (restarting `position_ids`) and right-padded rows give eager's loss
-    and gradients."""
+    and gradients; packed under bf16 autocast too, within bf16 rounding."""
     gen = torch.Generator().manual_seed(rng_seed)
     ids = torch.randint(3, 97, (2, 12), generator=gen)
     mask = torch.ones_like(ids)
@@ -258,6 +258,16 @@ def test_inductor_compiled_training_step_equals_eager(rng_seed):
         torch.testing.assert_close(got_loss, loss, atol=1e-5, rtol=1e-5, msg=name)
         for (param, _), a, b in zip(model.named_parameters(), got, want):
             torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4, msg=f"{name}: {param}")
+    # bf16 autocast (Trainer's bf16=True), packed: within bf16 rounding of eager (matmuls round differently fused)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = model(ids, labels=ids, **layouts["packed"]).loss
+    want = torch.autograd.grad(loss, list(model.parameters()))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got_loss = compiled(ids, labels=ids, **layouts["packed"]).loss
+    got = torch.autograd.grad(got_loss, list(model.parameters()))
+    torch.testing.assert_close(got_loss, loss, atol=2e-3, rtol=0)
+    for (param, _), a, b in zip(model.named_parameters(), got, want):
+        assert float((a - b).norm()) <= 5e-2 * float(b.norm()) + 1e-6, param
 
 
 def test_explain_counts_no_graph_break_in_a_static_cache_decode_step(rng_seed):
