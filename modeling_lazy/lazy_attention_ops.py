@@ -10,8 +10,12 @@ per call (no graph break) and run the project's kernels in the compiled program:
                                            its kernel inside (SDPA at tau = 0, the fused C decode, the one-row and
                                            few-row decodes, the chunked prefill); training the chunked forward
     lazy_llama::attention_backward         its recomputing backward
-    lazy_llama::triton_attention           Triton forward: the general layout, or (`causal`) the causal fast path
+    lazy_llama::triton_attention           Triton forward: the general layout, or (`causal`) the causal fast path,
+                                           or (a document table) the causal fast path per document
     lazy_llama::triton_attention_backward  its backward
+    lazy_llama::triton_traced_attention    under compile / export, any other layout (training, or > 16 rows): asks
+                                           at run time whether it is one of documents (packed, padded rows)
+    lazy_llama::triton_traced_attention_backward   its backward
     lazy_llama::triton_decode              Triton packed decode (inference, <= 16 query rows: the causal layout,
                                            left padding from each row's first key, or any layout through the
                                            metadata's segments and positions)
@@ -20,7 +24,8 @@ per call (no graph break) and run the project's kernels in the compiled program:
 
 The Triton ops are `torch.library.triton_op`s whose launches go through `wrap_triton`: compile and export trace
 their bodies (the launch becomes a graph node inductor schedules), and the same body, run on fake tensors, is their
-fake implementation. The PyTorch ops are `custom_op`s with a `register_fake`. Autograd is registered on the
+fake implementation. The PyTorch ops and the two `triton_traced_*` ops are `custom_op`s with a `register_fake` (their
+bodies, opaque to the tracer, run at run time: a document table needs host syncs). Autograd is registered on the
 forward ops (`register_autograd`), the backward being the matching `*_backward` op.
 
 Operators take tensors and scalars only, so a `LazyMetadata` travels as its tensors (`q_pos, k_pos, q_seg, k_seg`)
@@ -94,7 +99,8 @@ def uses_triton(device: torch.device, dtype: torch.dtype = torch.float32, backen
 
 def choose_kernel(device: torch.device, dtype: torch.dtype, query_rows: int, batch: int, causal: bool,
                   static_buffer: bool, needs_grad: bool, *, backend: str | None = None, softmax_only: bool = False,
-                  native_layout: bool = False, left_padded: bool = False, documents: bool = False) -> str:
+                  native_layout: bool = False, left_padded: bool = False, documents: bool = False,
+                  traced: bool = False) -> str:
     """The kernel for one attention call: the whole routing of LazyLlama in one table, read top to bottom.
 
     Args: the query's device and dtype, query rows `Tq`, batch `B`, the metadata's layout (`causal`;
@@ -105,7 +111,8 @@ def choose_kernel(device: torch.device, dtype: torch.dtype, query_rows: int, bat
     the native op's layout: `lazy_attention_cpu.decode_supported`, which also says whether the op is installed),
     `left_padded` (one row per sequence after left padding: `lazy_attention_torch.left_padding`) and `documents`
     (packed documents and/or padded rows, each document a causal layout of its own, no cache:
-    `lazy_attention_torch.document_table`; asked in eager calls only).
+    `lazy_attention_torch.document_table`; asked in eager calls only), and `traced` (under torch.compile or export,
+    where those facts are unknown when the graph is made).
 
         Triton (uses_triton: LAZY_LLAMA_BACKEND, device, dtype); a static buffer: inference with Tq <= 16, or
         training with one query row
@@ -114,13 +121,16 @@ def choose_kernel(device: torch.device, dtype: torch.dtype, query_rows: int, bat
                                                                           decode forward, the general backward)
           documents (packed, padded rows; eager)          triton_documents (the causal fast path per document:
                                                                           work lists of document tiles)
+          traced, not causal, training or Tq > 16         triton_traced  (an operator opaque to the tracer that
+                                                                          asks for documents when it runs: the
+                                                                          line above, else the general kernels)
           inference, Tq <= 16                             triton_decode  (the packed decode, split-K: causal; Tq = 1
                                                                           left-padded (eager): each row from its
                                                                           first real key; else any layout: a static
                                                                           buffer, masks with holes, segments and
                                                                           positions read per key)
-          otherwise (training with padding or a cache,    triton         (the general kernels)
-            Tq > 16 with holes, traced documents)
+          otherwise (training with a cache, Tq > 16       triton         (the general kernels)
+            with holes or a cache)
         PyTorch (lazy_llama::attention)
           training                                        torch_train    (chunked forward, recomputing backward)
           tau = 0 and zero bias, causal, float32/64       torch_sdpa     (scaled_dot_product_attention)
@@ -136,6 +146,8 @@ def choose_kernel(device: torch.device, dtype: torch.dtype, query_rows: int, bat
             return "triton_causal"
         if documents and not causal and not static_buffer:
             return "triton_documents"
+        if traced and not causal and not static_buffer and (needs_grad or not few_rows):
+            return "triton_traced"
         return "triton_decode" if few_rows and not needs_grad else "triton"
     if needs_grad:
         return "torch_train"
@@ -313,6 +325,65 @@ def _triton_autograd(ctx, grad_out, _grad_lse, _grad_u):
     return (*grads, None, None, None, None, None, None, None, None)
 
 
+def _documents_at_run_time(q_pos, k_pos, q_seg, k_seg) -> torch.Tensor | None:
+    """`document_table` of a traced call's metadata tensors (int64 positions), asked when the operator runs."""
+    metadata = LazyMetadata.from_tensors(q_pos, k_pos, q_seg, k_seg, causal=False, positions32=(q_pos, k_pos))
+    return document_table(metadata)
+
+
+def _triton_traced_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, tau: torch.Tensor,
+                             distance_bias: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
+                             q_seg: torch.Tensor, k_seg: torch.Tensor, q_pos32: torch.Tensor, k_pos32: torch.Tensor,
+                             store_u: bool, scaling: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`lazy_llama::triton_attention` of a layout that is not the plain causal one, under torch.compile or export:
+    whether the layout is one of documents (packed, padded rows) is a fact of the tensors' values, and its document
+    table needs host syncs, so this operator is opaque to the tracer and asks when it runs (the causal fast path per
+    document, else the general kernels). `u` has the forward's full shape when `store_u`, as the fake says (unused,
+    and not written, where the general kernels ran)."""
+    documents = _documents_at_run_time(q_pos, k_pos, q_seg, k_seg)
+    out, lse, u = _triton_attention(query, key, value, tau, distance_bias, q_pos32, k_pos32, q_seg, k_seg, False,
+                                    store_u, scaling, documents)
+    if store_u and documents is None:
+        u = query.new_empty(out.shape)
+    return out, lse, u
+
+
+def _triton_traced_attention_backward(grad_out: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
+                                      value: torch.Tensor, tau: torch.Tensor, distance_bias: torch.Tensor,
+                                      q_pos: torch.Tensor, k_pos: torch.Tensor, q_seg: torch.Tensor,
+                                      k_seg: torch.Tensor, q_pos32: torch.Tensor, k_pos32: torch.Tensor,
+                                      lse: torch.Tensor, out: torch.Tensor, u: torch.Tensor, scaling: float
+                                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _triton_attention_backward(grad_out, query, key, value, tau, distance_bias, q_pos32, k_pos32, q_seg, k_seg,
+                                      lse, out, u, False, scaling, _documents_at_run_time(q_pos, k_pos, q_seg, k_seg))
+
+
+def _triton_traced_setup_context(ctx, inputs, output):
+    query, key, value, tau, distance_bias, q_pos, k_pos, q_seg, k_seg, q_pos32, k_pos32, _, scaling = inputs
+    out, lse, u = output
+    ctx.save_for_backward(query, key, value, tau, distance_bias, q_pos, k_pos, q_seg, k_seg, q_pos32, k_pos32, lse,
+                          out, u)
+    ctx.scaling = scaling
+
+
+def _triton_traced_autograd(ctx, grad_out, _grad_lse, _grad_u):
+    grads = torch.ops.lazy_llama.triton_traced_attention_backward(grad_out, *ctx.saved_tensors, ctx.scaling)
+    return (*grads, None, None, None, None, None, None, None, None)
+
+
+def _triton_traced_attention_fake(query, key, value, tau, distance_bias, q_pos, k_pos, q_seg, k_seg, q_pos32, k_pos32,
+                                  store_u, scaling):
+    bsz, num_heads, q_len, dim = query.shape
+    f32 = dict(dtype=torch.float32, device=query.device)
+    u = query.new_empty(bsz, q_len, num_heads, dim) if store_u else torch.empty(0, **f32)
+    return query.new_empty(bsz, q_len, num_heads, dim), torch.empty(bsz, num_heads, q_len, **f32), u
+
+
+def _triton_traced_attention_backward_fake(grad_out, query, key, value, tau, distance_bias, *_):
+    return (torch.empty_like(query), torch.empty_like(key), torch.empty_like(value), torch.empty_like(tau),
+            torch.empty_like(distance_bias))
+
+
 def _triton_decode(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, tau: torch.Tensor,
                    distance_bias: torch.Tensor, q_pos: torch.Tensor, key_lengths: torch.Tensor, scaling: float,
                    key_starts: torch.Tensor | None = None, q_seg: torch.Tensor | None = None,
@@ -382,6 +453,16 @@ def _register() -> None:
             torch.library.triton_op(f"lazy_llama::{name}", launch, mutates_args=()).register_fake(fake)
         torch.library.register_autograd("lazy_llama::triton_attention", _triton_autograd,
                                         setup_context=_triton_setup_context)
+    if _forward is not None and not _registered("triton_traced_attention"):
+        # plain custom ops (opaque to compile: the body runs at run time, host syncs and all); marked unsafe for CUDA
+        # graphs, which cannot capture a host sync
+        for name, body, fake in (("triton_traced_attention", _triton_traced_attention, _triton_traced_attention_fake),
+                                 ("triton_traced_attention_backward", _triton_traced_attention_backward,
+                                  _triton_traced_attention_backward_fake)):
+            torch.library.custom_op(f"lazy_llama::{name}", body, mutates_args=(),
+                                    tags=(torch.Tag.cudagraph_unsafe,)).register_fake(fake)
+        torch.library.register_autograd("lazy_llama::triton_traced_attention", _triton_traced_autograd,
+                                        setup_context=_triton_traced_setup_context)
 
 
 _register()
@@ -408,11 +489,12 @@ def lazy_attention(query, key, value, tau, distance_bias, metadata: LazyMetadata
         backend: None (read `LAZY_LLAMA_BACKEND`), or `"triton"` / `"torch"` to force one for this call.
     """
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value, tau, distance_bias))
+    traced = _tracing(query)
     kernel = choose_kernel(query.device, query.dtype, query.shape[2], query.shape[0], metadata.causal,
-                           metadata.static_buffer, needs_grad, backend=backend)
+                           metadata.static_buffer, needs_grad, backend=backend, traced=traced)
     documents = key_starts = None
     if (kernel in ("triton", "triton_decode") and not metadata.causal and not metadata.static_buffer
-            and not _tracing(query)):  # facts only real tensors give (a few host syncs per forward)
+            and not traced):  # facts only real tensors give (a few host syncs per forward)
         documents = document_table(metadata) if kernel == "triton" else None
         if documents is None and query.shape[2] == 1 and not needs_grad:
             key_starts = left_padding(metadata)
@@ -422,7 +504,7 @@ def lazy_attention(query, key, value, tau, distance_bias, metadata: LazyMetadata
     scaling = float(scaling)
     if kernel.startswith("torch"):
         key_offset = metadata.key_offset if metadata.static_buffer else None
-        if not needs_grad and not _tracing(query):  # eager inference: the op's body without the dispatcher's cost
+        if not needs_grad and not traced:  # eager inference: the op's body without the dispatcher's cost
             if metadata.static_buffer:  # cut to the written keys (the model's metadata serves every other call)
                 metadata = _concrete_metadata(metadata.q_pos, metadata.k_pos, metadata.q_seg, metadata.k_seg,
                                               key_offset, metadata.causal, False)
@@ -434,6 +516,10 @@ def lazy_attention(query, key, value, tau, distance_bias, metadata: LazyMetadata
         k_len = metadata.key_length                                            # from the shapes (Tk - Tq)
         key, value = key.narrow(2, 0, k_len), value.narrow(2, 0, k_len)
     q_pos, k_pos = metadata.q_pos32, metadata.k_pos32
+    if kernel == "triton_traced":
+        return torch.ops.lazy_llama.triton_traced_attention(query, key, value, tau, distance_bias, metadata.q_pos,
+                                                            metadata.k_pos, metadata.q_seg, metadata.k_seg, q_pos,
+                                                            k_pos, needs_grad, scaling)[0]
     if kernel == "triton_decode":
         if metadata.causal or key_starts is not None:
             return torch.ops.lazy_llama.triton_decode(

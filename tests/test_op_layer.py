@@ -56,7 +56,13 @@ def test_table_sends_cuda_calls_to_the_triton_operators(monkeypatch):
     assert table(CUDA, rows=300) == "triton_causal"  # prefill
     assert table(CUDA, rows=1) == table(CUDA, rows=16) == "triton_decode"  # decode
     assert table(CUDA, rows=300, causal=False, grad=True) == table(CUDA, rows=1, causal=False, grad=True) == "triton"
-    assert table(CUDA, rows=300, causal=False) == "triton"  # facts unknown (traced): the general kernels
+    assert table(CUDA, rows=300, causal=False) == "triton"  # eager, no documents: the general kernels
+    # traced (compile, export): an operator that asks for documents when it runs; inference with few rows: decode
+    assert table(CUDA, rows=300, causal=False, traced=True) == table(CUDA, rows=3, causal=False, grad=True,
+                                                                     traced=True) == "triton_traced"
+    assert table(CUDA, rows=16, causal=False, traced=True) == "triton_decode"
+    assert table(CUDA, rows=300, traced=True) == "triton_causal"
+    assert table(CUDA, rows=1, causal=False, grad=True, static=True, traced=True) == "triton"
     # inference with <= 16 rows, any layout (padding, holes, a compiled static cache's buffer): the packed decode
     assert table(CUDA, rows=1, causal=False) == table(CUDA, rows=16, causal=False) == "triton_decode"
     assert table(CUDA, rows=1, causal=False, static=True) == table(CUDA, rows=5, causal=False, static=True) == (
@@ -358,6 +364,17 @@ checks = {"triton_attention": [(q, k, v, torch.randn(H), torch.randn(H, W), *pos
                             (q[:, :, -2:], k, v, torch.randn(H), torch.randn(H, W), meta.q_pos32[:, -2:],
                              torch.full((1,), 20, dtype=torch.int32), 0.25, None, meta.q_seg[:, -2:].contiguous(),
                              meta.k_seg, meta.k_pos32)]}
+# traced calls of other layouts: a padded batch (documents) and a mask with a hole (the general kernels), U or not
+for mask in (padded[:, :20], torch.ones(B, 20, dtype=torch.long).index_fill_(1, torch.tensor([7, 8]), 0)):
+    meta = LazyMetadata.from_mask(mask, query_length=20, batch_size=B)
+    qb, kb, vb = torch.randn(B, H, 20, D), torch.randn(B, HKV, 20, D), torch.randn(B, HKV, 20, D)
+    tensors = (meta.q_pos, meta.k_pos, meta.q_seg, meta.k_seg, meta.q_pos32, meta.k_pos32)
+    for store in (True, False):
+        args = (qb, kb, vb, torch.randn(H), torch.randn(H, W), *tensors, store, 0.25)
+        checks.setdefault("triton_traced_attention", []).append(args)
+    out, lse, u = torch.ops.lazy_llama.triton_traced_attention(*args[:-2], True, 0.25)
+    checks.setdefault("triton_traced_attention_backward", []).append(
+        (torch.randn_like(out), *args[:-2], lse, out, u, 0.25))
 for name, calls in checks.items():
     for args in calls:
         torch.library.opcheck(getattr(torch.ops.lazy_llama, name).default, args,
@@ -369,8 +386,9 @@ print("opcheck = ok")
 @pytest.mark.skipif(not HAS_TRITON, reason="the Triton operators need the triton package")
 def test_triton_operators_appear_in_traced_graphs(tmp_path):
     """Forward, backward, decode (also a compiled static cache's) and the paged vLLM step trace (fake tensors, no
-    kernel runs) to graphs that call the `lazy_llama` Triton operators; `opcheck` holds each operator's fake
-    against its interpreted kernels (shapes, dtypes, strides)."""
+    kernel runs) to graphs that call the `lazy_llama` Triton operators (a padded batch: the operators that ask for
+    documents at run time); `opcheck` holds each operator's fake against its interpreted kernels (shapes, dtypes,
+    strides)."""
     script = tmp_path / "trace.py"
     script.write_text(TRITON_TRACE)
     env = {**os.environ, "TRITON_INTERPRET": "1", ops.BACKEND_ENV: "triton", "PYTHONPATH": str(ROOT)}
@@ -380,7 +398,7 @@ def test_triton_operators_appear_in_traced_graphs(tmp_path):
     found = dict(line.split(" = ") for line in proc.stdout.splitlines() if " = " in line)
     assert found == {
         "forward and backward (causal)": "triton_attention,triton_attention_backward",
-        "forward and backward (padded)": "triton_attention,triton_attention_backward",
+        "forward and backward (padded)": "triton_traced_attention,triton_traced_attention_backward",
         "decode": "triton_decode",
         "decode (static cache, compiled)": "triton_decode",
         "decode (padded, compiled)": "triton_decode",

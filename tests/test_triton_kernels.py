@@ -451,6 +451,27 @@ def documents_fast_path(kernels):
     return errors
 
 
+def training_workloads() -> dict:
+    """The training batches people run, for a tiny model (vocabulary 97, 24 tokens): `lazy-finetune`'s collator
+    (packed blocks, restarting `position_ids`), TRL's padding-free batches (`cu_seq_lens_q` with restarting
+    positions), a right-padded SFT batch."""
+    from lazy_llama_tools.finetune import PackedBlockCollator
+
+    positions = [list(range(7)) + list(range(13)) + list(range(4)), list(range(24))]
+    blocks = [{"input_ids": torch.randint(3, 97, (24,)).tolist(), "position_ids": pos} for pos in positions]
+    batch = PackedBlockCollator()(blocks)
+    padded = torch.ones(2, 24, dtype=torch.long)
+    padded[1, 15:] = 0
+    ids = torch.randint(3, 97, (1, 24))
+    cu = torch.tensor([0, 5, 17, 24], dtype=torch.int32)
+    trl = dict(input_ids=ids, labels=ids, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=12, max_length_k=12,
+               position_ids=torch.cat([torch.arange(5), torch.arange(12), torch.arange(7)])[None])
+    return {"lazy-finetune packed blocks": batch,
+            "TRL padding-free (cu_seq_lens_q)": trl,
+            "right-padded SFT batch": dict(input_ids=batch["input_ids"], attention_mask=padded,
+                                           labels=batch["input_ids"].masked_fill(padded == 0, -100))}
+
+
 def model_workloads_take_the_document_path(kernels):
     """Through the model (a tiny LazyLlama on the interpreted kernels, training forward + backward), the layouts
     people train on reach the causal fast path per document and never the general kernels: `lazy-finetune`'s
@@ -458,7 +479,6 @@ def model_workloads_take_the_document_path(kernels):
     positions), a right-padded SFT batch; and a left-padded batched `generate()` prefills per document."""
     import modeling_lazy.lazy_attention_ops as ops
     import modeling_lazy.lazy_attention_triton_forward as forward_kernels
-    from lazy_llama_tools.finetune import PackedBlockCollator
     from modeling_lazy import LazyLlamaConfig, LazyLlamaForCausalLM
 
     torch.manual_seed(0)
@@ -472,20 +492,7 @@ def model_workloads_take_the_document_path(kernels):
     ops._forward = lambda *args, **kwargs: general.append(1) or originals[1](*args, **kwargs)
     seen = {}
     try:
-        positions = [list(range(7)) + list(range(13)) + list(range(4)), list(range(24))]
-        blocks = [{"input_ids": torch.randint(3, 97, (24,)).tolist(), "position_ids": pos} for pos in positions]
-        batch = PackedBlockCollator()(blocks)
-        padded = torch.ones(2, 24, dtype=torch.long)
-        padded[1, 15:] = 0
-        ids = torch.randint(3, 97, (1, 24))
-        cu = torch.tensor([0, 5, 17, 24], dtype=torch.int32)
-        trl = dict(input_ids=ids, labels=ids, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=12, max_length_k=12,
-                   position_ids=torch.cat([torch.arange(5), torch.arange(12), torch.arange(7)])[None])
-        workloads = {"lazy-finetune packed blocks": batch,
-                     "TRL padding-free (cu_seq_lens_q)": trl,
-                     "right-padded SFT batch": dict(input_ids=batch["input_ids"], attention_mask=padded,
-                                                    labels=batch["input_ids"].masked_fill(padded == 0, -100))}
-        for name, inputs in workloads.items():
+        for name, inputs in training_workloads().items():
             documents.clear()
             model.zero_grad()
             model(**inputs).loss.backward()
@@ -1071,6 +1078,90 @@ def model_greedy_generation_matches_eager(kernels):
     return {"tokens": lazy_tokens.tolist()}
 
 
+def compiled_training_takes_the_document_path(kernels):
+    """A training step under torch.compile (fullgraph; AOT autograd's graphs run as traced) on the
+    interpreted kernels: for each layout of `training_workloads` every layer's forward graph node is
+    `lazy_llama::triton_traced_attention` and its backward's the matching backward op, which run the causal fast
+    path per document (never the general kernels); loss and every gradient equal eager's. A left-padded batch with
+    a hole in its mask (no layout of documents) takes the general kernels through the same operators, also equal to
+    eager. Then one packed batch under Inductor, within float32 rounding of eager."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.aot_autograd import make_boxed_func
+
+    import modeling_lazy.lazy_attention_ops as ops
+    from modeling_lazy import LazyLlamaConfig, LazyLlamaForCausalLM
+
+    seed = fresh_seed()
+    torch.manual_seed(seed)
+    config = LazyLlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, lazy_bias_window=8,
+                             max_position_embeddings=128)
+    model = LazyLlamaForCausalLM(config)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.tau.copy_(torch.tensor([-1.0, 0.5, -0.3, 0.0]))
+            layer.self_attn.distance_bias.normal_(0.0, 1.0)
+    graphs, launched = [], []
+
+    def keep(graph, _):
+        graphs.append(graph)
+        return make_boxed_func(graph.forward)
+
+    def step(inputs):
+        return model(**inputs).loss
+
+    originals = (ops._causal_forward, ops._backward, ops._forward)
+    ops._causal_forward = lambda *args: (launched.append(("forward", len(args) > 9 and args[9] is not None))
+                                         or originals[0](*args))  # documents: the 10th argument
+    ops._backward = lambda *args, **kw: (launched.append(("backward", kw["documents"] is not None))
+                                         or originals[1](*args, **kw))
+    ops._forward = lambda *args, **kwargs: launched.append(("forward", False)) or originals[2](*args, **kwargs)
+    workloads = training_workloads()
+    holes = torch.ones(2, 24, dtype=torch.long)
+    holes[0, :5] = 0
+    holes[1, 10:12] = 0  # a hole inside a row: no layout of documents
+    ids = workloads["lazy-finetune packed blocks"]["input_ids"]
+    workloads["mask with a hole (general kernels)"] = dict(input_ids=ids, attention_mask=holes,
+                                                           labels=ids.masked_fill(holes == 0, -100))
+    results = {"seed": seed}
+    try:
+        for name, inputs in workloads.items():
+            params = list(model.parameters())
+            torch.compiler.reset()
+            graphs.clear()
+            launched.clear()
+            compiled = torch.compile(step, backend=aot_autograd(fw_compiler=keep, bw_compiler=keep), fullgraph=True)
+            got_loss = compiled(inputs)
+            got = torch.autograd.grad(got_loss, params)
+            documents = "hole" not in name
+            layers = config.num_hidden_layers
+            assert launched == [("forward", documents)] * layers + [("backward", documents)] * layers, (name, launched)
+            called = [[str(n.target).split(".")[1] for n in graph.graph.nodes
+                       if n.op == "call_function" and str(n.target).startswith("lazy_llama.")] for graph in graphs]
+            assert called == [["triton_traced_attention"] * layers, ["triton_traced_attention_backward"] * layers], \
+                (name, called)
+            want_loss = step(inputs)
+            want = torch.autograd.grad(want_loss, params)
+            assert torch.equal(got_loss, want_loss), (name, got_loss, want_loss)
+            for p, g, w in zip(model.named_parameters(), got, want):
+                assert torch.equal(g, w), (name, p[0], (g - w).abs().max())
+            results[name] = round(float(got_loss.detach()), 4)
+        inputs = workloads["lazy-finetune packed blocks"]
+        torch.compiler.reset()
+        got_loss = torch.compile(step)(inputs)
+        got = torch.autograd.grad(got_loss, params)
+        want_loss = step(inputs)
+        want = torch.autograd.grad(want_loss, params)
+        assert torch.allclose(got_loss, want_loss, rtol=1e-5, atol=1e-5), (got_loss, want_loss)
+        for p, g, w in zip(model.named_parameters(), got, want):
+            assert torch.allclose(g, w, rtol=1e-4, atol=1e-5 * w.abs().max()), (p[0], (g - w).abs().max())
+        results["inductor packed"] = round(float(got_loss.detach()), 4)
+    finally:
+        ops._causal_forward, ops._backward, ops._forward = originals
+        torch.compiler.reset()
+    return results
+
+
 def compiled_static_cache_generation(kernels):
     """`generate(cache_implementation="static")` compiled (fullgraph; Dynamo's graph run as captured: the
     interpreter launches at once, so AOT autograd, which traces a Triton op's body, cannot run here) on the
@@ -1132,6 +1223,7 @@ CASES = {
     "causal-fast-path-minus-inf-bias": causal_fast_path_minus_inf_bias,
     "documents-fast-path": documents_fast_path,
     "model-workloads-take-the-document-path": model_workloads_take_the_document_path,
+    "compiled-training-takes-the-document-path": compiled_training_takes_the_document_path,
     "packed-decode-reference": packed_decode_matches_reference,
     "packed-decode-skips-dead-value-tiles": packed_decode_skips_dead_value_tiles,
     "packed-decode-dispatch": packed_decode_dispatch,
