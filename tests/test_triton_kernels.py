@@ -1084,7 +1084,8 @@ def compiled_training_takes_the_document_path(kernels):
     `lazy_llama::triton_traced_attention` and its backward's the matching backward op, which run the causal fast
     path per document (never the general kernels); loss and every gradient equal eager's. A left-padded batch with
     a hole in its mask (no layout of documents) takes the general kernels through the same operators, also equal to
-    eager. Then one packed batch under Inductor, within float32 rounding of eager."""
+    eager. Other document boundaries in a batch of the same shape run the same graph (no recompile). Then one packed
+    batch under Inductor, within float32 rounding of eager."""
     from torch._dynamo.backends.common import aot_autograd
     from torch._functorch.aot_autograd import make_boxed_func
 
@@ -1146,6 +1147,18 @@ def compiled_training_takes_the_document_path(kernels):
             for p, g, w in zip(model.named_parameters(), got, want):
                 assert torch.equal(g, w), (name, p[0], (g - w).abs().max())
             results[name] = round(float(got_loss.detach()), 4)
+        # other document boundaries, the same shapes: values, not shapes, so the graph runs again unchanged
+        other = dict(workloads["lazy-finetune packed blocks"])
+        other["position_ids"] = torch.cat([torch.arange(n) for n in (1, 15, 8, 11, 13)])[None].reshape(2, 24)
+        compiled = torch.compile(step, backend=aot_autograd(fw_compiler=keep, bw_compiler=keep), fullgraph=True)
+        torch.compiler.reset()
+        compiled(workloads["lazy-finetune packed blocks"])
+        launched.clear()
+        with torch.compiler.set_stance("fail_on_recompile"):
+            got = torch.autograd.grad(compiled(other), params)
+        assert launched == [("forward", True)] * layers + [("backward", True)] * layers, launched
+        want = torch.autograd.grad(step(other), params)
+        assert all(torch.equal(g, w) for g, w in zip(got, want))
         inputs = workloads["lazy-finetune packed blocks"]
         torch.compiler.reset()
         got_loss = torch.compile(step)(inputs)
