@@ -43,6 +43,7 @@ from .lazy_attention_reference import DECODE_MAX_ROWS, LazyMetadata, _is_causal_
 from .lazy_attention_torch import (
     _parameter_fact,
     document_table,
+    left_padded_documents,
     left_padding,
     softmax_only,
     torch_backward,
@@ -109,10 +110,11 @@ def choose_kernel(device: torch.device, dtype: torch.dtype, query_rows: int, bat
     False at trace time): `softmax_only` (tau and the distance bias all zero, and SDPA's causal mask aligned: one
     query row or no cached keys) and `native_layout` (key and value in the query's dtype with contiguous channels,
     the native op's layout: `lazy_attention_cpu.decode_supported`, which also says whether the op is installed),
-    `left_padded` (one row per sequence after left padding: `lazy_attention_torch.left_padding`) and `documents`
-    (packed documents and/or padded rows, each document a causal layout of its own, no cache:
-    `lazy_attention_torch.document_table`; asked in eager calls only), and `traced` (under torch.compile or export,
-    where those facts are unknown when the graph is made).
+    `left_padded` (a left-padded batch, each row's real keys one run at its end: `lazy_attention_torch.left_padding`;
+    asked for one query row, and for more than 16 in inference) and `documents` (packed documents and/or padded
+    rows, each document a causal layout of its own, no cache: `lazy_attention_torch.document_table`), both asked in
+    eager calls only, and `traced` (under torch.compile or export, where those facts are unknown when the graph is
+    made).
 
         Triton (uses_triton: LAZY_LLAMA_BACKEND, device, dtype); a static buffer: inference with Tq <= 16, or
         training with one query row
@@ -121,16 +123,19 @@ def choose_kernel(device: torch.device, dtype: torch.dtype, query_rows: int, bat
                                                                           decode forward, the general backward)
           documents (packed, padded rows; eager)          triton_documents (the causal fast path per document:
                                                                           work lists of document tiles)
+          left-padded after a cache, inference, Tq > 16   triton_left_padded (the same, each row one document
+            (eager)                                                       from its first real key)
           traced, not causal, training or Tq > 16         triton_traced  (an operator opaque to the tracer that
                                                                           asks for documents when it runs: the
-                                                                          line above, else the general kernels)
+                                                                          lines above, else the general kernels)
           inference, Tq <= 16                             triton_decode  (the packed decode, split-K: causal; Tq = 1
                                                                           left-padded (eager): each row from its
                                                                           first real key; else any layout: a static
                                                                           buffer, masks with holes, segments and
                                                                           positions read per key)
           otherwise (training with a cache, Tq > 16       triton         (the general kernels)
-            with holes or a cache)
+            with holes, or a cache and padding that is
+            not left padding)
         PyTorch (lazy_llama::attention)
           training                                        torch_train    (chunked forward, recomputing backward)
           tau = 0 and zero bias, causal, float32/64       torch_sdpa     (scaled_dot_product_attention)
@@ -146,6 +151,8 @@ def choose_kernel(device: torch.device, dtype: torch.dtype, query_rows: int, bat
             return "triton_causal"
         if documents and not causal and not static_buffer:
             return "triton_documents"
+        if left_padded and not (causal or static_buffer or needs_grad or few_rows):
+            return "triton_left_padded"
         if traced and not causal and not static_buffer and (needs_grad or not few_rows):
             return "triton_traced"
         return "triton_decode" if few_rows and not needs_grad else "triton"
@@ -278,13 +285,20 @@ def _work_lists(documents: torch.Tensor) -> dict:
 def _triton_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, tau: torch.Tensor,
                       distance_bias: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor, q_seg: torch.Tensor,
                       k_seg: torch.Tensor, causal: bool, store_u: bool, scaling: float,
-                      documents: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                      documents: torch.Tensor | None = None, key_starts: torch.Tensor | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`(out [B, Tq, Hq, D], lse [B, Hq, Tq] float32, u)`: `causal` (the plain causal layout) runs the causal fast
     path (`u` = its U when `store_u`, for the backward; `tl.dot` needs 16 rows, so <= 16 rows run the packed decode,
     whose backward is the general one), `documents` (`document_table`) the causal fast path per document (its runs of
-    padding get zeros), otherwise the general kernel (key offset `Tk - Tq`); u is `[0]`
-    when not stored."""
-    if documents is not None:
+    padding get zeros), `key_starts` (`left_padding`, inference after a cache) the same with each row one document
+    from its first real key, otherwise the general kernel (key offset `Tk - Tq`); u is `[0]` when not stored."""
+    if key_starts is not None:
+        q_len, k_len = query.shape[2], key.shape[2]
+        tables = _parameter_fact(key_starts, ("documents", q_len, k_len),
+                                 lambda: left_padded_documents(key_starts, q_len, k_len))
+        out, lse, u = _causal_forward(query, key, value, tau, distance_bias, q_pos, scaling,
+                                      _check_inputs(query, key), False, tables[0], _work_lists(tables[0]), tables[1])
+    elif documents is not None:
         out, lse, u = _causal_forward(query, key, value, tau, distance_bias, q_pos, scaling,
                                       _check_inputs(query, key), store_u, documents, _work_lists(documents))
     elif causal and query.shape[2] > DECODE_MAX_ROWS:
@@ -311,7 +325,7 @@ def _triton_attention_backward(grad_out: torch.Tensor, query: torch.Tensor, key:
 
 
 def _triton_setup_context(ctx, inputs, output):
-    query, key, value, tau, distance_bias, q_pos, k_pos, q_seg, k_seg, causal, _, scaling, documents = inputs
+    query, key, value, tau, distance_bias, q_pos, k_pos, q_seg, k_seg, causal, _, scaling, documents, _ = inputs
     out, lse, u = output
     ctx.save_for_backward(query, key, value, tau, distance_bias, q_pos, k_pos, q_seg, k_seg, lse, out, u, documents)
     ctx.causal, ctx.scaling = causal, scaling
@@ -322,13 +336,12 @@ def _triton_autograd(ctx, grad_out, _grad_lse, _grad_u):
     grads = torch.ops.lazy_llama.triton_attention_backward(grad_out, query, key, value, tau, distance_bias, q_pos,
                                                            k_pos, q_seg, k_seg, lse, out, u, ctx.causal, ctx.scaling,
                                                            documents)
-    return (*grads, None, None, None, None, None, None, None, None)
+    return (*grads, None, None, None, None, None, None, None, None, None)
 
 
-def _documents_at_run_time(q_pos, k_pos, q_seg, k_seg) -> torch.Tensor | None:
-    """`document_table` of a traced call's metadata tensors (int64 positions), asked when the operator runs."""
-    metadata = LazyMetadata.from_tensors(q_pos, k_pos, q_seg, k_seg, causal=False, positions32=(q_pos, k_pos))
-    return document_table(metadata)
+def _run_time_metadata(q_pos, k_pos, q_seg, k_seg) -> LazyMetadata:
+    """The `LazyMetadata` of a traced call's metadata tensors (int64 positions), to ask for its layout at run time."""
+    return LazyMetadata.from_tensors(q_pos, k_pos, q_seg, k_seg, causal=False, positions32=(q_pos, k_pos))
 
 
 def _triton_traced_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, tau: torch.Tensor,
@@ -338,11 +351,14 @@ def _triton_traced_attention(query: torch.Tensor, key: torch.Tensor, value: torc
     """`lazy_llama::triton_attention` of a layout that is not the plain causal one, under torch.compile or export:
     whether the layout is one of documents (packed, padded rows) is a fact of the tensors' values, and its document
     table needs host syncs, so this operator is opaque to the tracer and asks when it runs (the causal fast path per
-    document, else the general kernels). `u` has the forward's full shape when `store_u`, as the fake says (unused,
-    and not written, where the general kernels ran)."""
-    documents = _documents_at_run_time(q_pos, k_pos, q_seg, k_seg)
+    document, or in inference a left-padded batch after a cache, else the general kernels). `u` has the forward's
+    full shape when `store_u`, as the fake says (unused, and not written, where the general kernels ran)."""
+    metadata = _run_time_metadata(q_pos, k_pos, q_seg, k_seg)
+    documents, key_starts = document_table(metadata), None
+    if documents is None and not store_u and query.shape[2] > DECODE_MAX_ROWS:
+        key_starts = left_padding(metadata)
     out, lse, u = _triton_attention(query, key, value, tau, distance_bias, q_pos32, k_pos32, q_seg, k_seg, False,
-                                    store_u, scaling, documents)
+                                    store_u, scaling, documents, key_starts)
     if store_u and documents is None:
         u = query.new_empty(out.shape)
     return out, lse, u
@@ -355,7 +371,8 @@ def _triton_traced_attention_backward(grad_out: torch.Tensor, query: torch.Tenso
                                       lse: torch.Tensor, out: torch.Tensor, u: torch.Tensor, scaling: float
                                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     return _triton_attention_backward(grad_out, query, key, value, tau, distance_bias, q_pos32, k_pos32, q_seg, k_seg,
-                                      lse, out, u, False, scaling, _documents_at_run_time(q_pos, k_pos, q_seg, k_seg))
+                                      lse, out, u, False, scaling,
+                                      document_table(_run_time_metadata(q_pos, k_pos, q_seg, k_seg)))
 
 
 def _triton_traced_setup_context(ctx, inputs, output):
@@ -409,7 +426,7 @@ def _key_lengths(metadata: LazyMetadata, batch: int, k_len: int, device: torch.d
 
 
 def _triton_attention_fake(query, key, value, tau, distance_bias, q_pos, k_pos, q_seg, k_seg, causal, store_u,
-                           scaling, documents=None):
+                           scaling, documents=None, key_starts=None):
     bsz, num_heads, q_len, dim = query.shape
     f32 = dict(dtype=torch.float32, device=query.device)
     fast = documents is not None or (causal and q_len > DECODE_MAX_ROWS)
@@ -496,8 +513,8 @@ def lazy_attention(query, key, value, tau, distance_bias, metadata: LazyMetadata
     if (kernel in ("triton", "triton_decode") and not metadata.causal and not metadata.static_buffer
             and not traced):  # facts only real tensors give (a few host syncs per forward)
         documents = document_table(metadata) if kernel == "triton" else None
-        if documents is None and query.shape[2] == 1 and not needs_grad:
-            key_starts = left_padding(metadata)
+        if documents is None and (query.shape[2] == 1 or query.shape[2] > DECODE_MAX_ROWS) and not needs_grad:
+            key_starts = left_padding(metadata)  # one row: the packed decode; more: the per-document path
         kernel = choose_kernel(query.device, query.dtype, query.shape[2], query.shape[0], metadata.causal,
                                metadata.static_buffer, needs_grad, backend=backend, documents=documents is not None,
                                left_padded=key_starts is not None)
@@ -516,6 +533,10 @@ def lazy_attention(query, key, value, tau, distance_bias, metadata: LazyMetadata
         k_len = metadata.key_length                                            # from the shapes (Tk - Tq)
         key, value = key.narrow(2, 0, k_len), value.narrow(2, 0, k_len)
     q_pos, k_pos = metadata.q_pos32, metadata.k_pos32
+    if kernel == "triton_left_padded":
+        return torch.ops.lazy_llama.triton_attention(query, key, value, tau, distance_bias, q_pos, k_pos,
+                                                     metadata.q_seg, metadata.k_seg, False, False, scaling, None,
+                                                     key_starts)[0]
     if kernel == "triton_traced":
         return torch.ops.lazy_llama.triton_traced_attention(query, key, value, tau, distance_bias, metadata.q_pos,
                                                             metadata.k_pos, metadata.q_seg, metadata.k_seg, q_pos,

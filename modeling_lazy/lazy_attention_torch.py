@@ -578,26 +578,44 @@ def _kernel_decode(query, key, value, tau, distance_bias, metadata: LazyMetadata
 
 
 def left_padding(metadata: LazyMetadata) -> torch.Tensor | None:
-    """`key_starts [B]` int32 when one query row per sequence sees exactly its keys `key_starts[b] .. Tk - 1` at the
-    positions of those keys alone (`0 .. Tk - 1 - key_starts[b]`, the query last): a left-padded batch, as batched
-    `generate()` gives it. None for any other layout. Computed once per forward (the model's metadata tensors are
-    shared by every layer)."""
-    if metadata.q_pos.shape[1] != 1 or metadata.static_buffer:
+    """`key_starts [B]` int32 when each sequence's real keys are `key_starts[b] .. Tk - 1`, at the positions of those
+    keys alone (`0 .. Tk - 1 - key_starts[b]`), and its queries the last Tq keys, each seeing the real keys up to
+    itself (a query row before `key_starts[b]`, padding, sees none): a left-padded batch, as batched `generate()`
+    gives it (one query row when decoding; more in a prefill after a cache). None for any other layout. Computed
+    once per forward (the model's metadata tensors are shared by every layer)."""
+    if metadata.static_buffer:
         return None
 
     def build():
-        k_len = metadata.key_length
-        q_pos, k_pos, k_seg = metadata.q_pos[:, 0], metadata.k_pos, metadata.k_seg
-        starts = k_len - 1 - q_pos  # where the query's own document starts, if it is all of the row's real keys
+        k_len, q_len = metadata.key_length, metadata.q_pos.shape[1]
+        q_pos, k_pos, k_seg, q_seg = metadata.q_pos, metadata.k_pos, metadata.k_seg, metadata.q_seg
+        starts = k_len - 1 - q_pos[:, -1]  # where the last query's document starts, if it is all the real keys
         index = torch.arange(k_len, device=k_pos.device)
         real = index >= starts[:, None]
-        # one host sync: every start inside the row, the query in segment 0, exactly the real keys in segment 0
-        # (padding keys negative), and the real keys at positions 0 .. (their index - start)
-        fits = ((starts >= 0).all() & (metadata.q_seg == 0).all() & ((k_seg >= 0) == real).all()
-                & (k_seg <= 0).all() & ((k_pos == index - starts[:, None]) | ~real).all())
+        q_real = real[:, k_len - q_len:]
+        # one host sync: every start inside the row, exactly the real keys in segment 0 (padding keys negative) at
+        # positions 0 .. (their index - start), and exactly the real queries in segment 0 at their keys' positions
+        fits = ((starts >= 0).all() & ((k_seg >= 0) == real).all() & (k_seg <= 0).all()
+                & ((k_pos == index - starts[:, None]) | ~real).all() & ((q_seg == 0) == q_real).all()
+                & ((q_pos == index[k_len - q_len:] - starts[:, None]) | ~q_real).all())
         return starts.to(torch.int32).contiguous() if bool(fits) else None
 
     return _parameter_fact(metadata.k_seg, ("left_padding", id(metadata.q_pos), id(metadata.k_pos)), build)
+
+
+def left_padded_documents(key_starts: torch.Tensor, q_len: int, k_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(documents [2B, 3], keys [2B, 2])` int32 for the Triton kernels' per-document path of a left-padded batch
+    after a cache (`left_padding`'s `key_starts`), built on the device (no host sync): row b is one document (batch
+    row, first query row t0, Tq - t0) whose keys are `(key_starts[b], Tk - key_starts[b])` and whose queries are the
+    last of them, from t0 = max(0, key_starts[b] - (Tk - Tq)); then the run of padding queries before t0
+    `(b, 0, -t0)` (`document_table`'s runs of padding; empty when t0 = 0), keys (0, 0)."""
+    starts = key_starts.to(torch.int64)
+    rows = torch.arange(starts.numel(), device=starts.device)
+    first = (starts - (k_len - q_len)).clamp(0, q_len)
+    documents = torch.cat([torch.stack([rows, first, q_len - first], 1),
+                           torch.stack([rows, torch.zeros_like(first), -first], 1)])
+    keys = torch.cat([torch.stack([starts, k_len - starts], 1), torch.zeros_like(documents[:, :2][: starts.numel()])])
+    return documents.to(torch.int32).contiguous(), keys.to(torch.int32).contiguous()
 
 
 def _decode_scores(query, key, distance_bias, metadata: LazyMetadata, scaling, dtype) -> torch.Tensor:

@@ -452,14 +452,15 @@ def _lazy_value_sums_kernel(V, TAU, DOCS, VSUM, stride_vb, stride_vh, stride_vt,
 
 
 @triton.jit
-def _lazy_causal_fwd_kernel(Q, K, V, TAU, BAND, QPOS, OUT, LSE, U, DOCS, TILES, VSUM,
+def _lazy_causal_fwd_kernel(Q, K, V, TAU, BAND, QPOS, OUT, LSE, U, DOCS, TILES, VSUM, KEYS,
                             stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt,
                             stride_vb, stride_vh, stride_vt, stride_ob, stride_oh, stride_ot,
                             stride_sb, stride_sh, stride_st,
                             Hq, Tq, Tk, W, GROUPS, BAND_LEN, scale_log2,
                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, D: tl.constexpr,
                             UPCAST: tl.constexpr, PRECISION: tl.constexpr, STORE_U: tl.constexpr,
-                            DOCUMENTS: tl.constexpr = False, PASSES: tl.constexpr = 0):
+                            DOCUMENTS: tl.constexpr = False, PASSES: tl.constexpr = 0,
+                            KEY_START: tl.constexpr = False):
     """Causal fast path, one query tile of one query head: `causal_passes`. Grid: (cdiv(Tq, BM), B * Hq). LSE in
     log2 units. `STORE_U` (training): also U_i = sum_j m_ij v_j into U (OUT's dtype, shape and strides), from
     which `_lazy_causal_bwd_delta_kernel` gets Delta and d tau without another pass over the keys; a head that runs
@@ -472,7 +473,10 @@ def _lazy_causal_fwd_kernel(Q, K, V, TAU, BAND, QPOS, OUT, LSE, U, DOCS, TILES, 
     positions 0 .. length - 1 (Tq = Tk = the row length): DOCS `[R, 3]` int32 (batch row, first token, length),
     TILES the work list (`_varlen_tiles`: document, first row; -1 for a spare program); program (t, h) runs tile t
     of query head h, grid (len(TILES), Hq). A run of padding is a DOCS row of negative length (`document_table`):
-    its tiles write out 0, u 0 and the dead-row LSE, reading nothing, so the launcher fills nothing first."""
+    its tiles write out 0, u 0 and the dead-row LSE, reading nothing, so the launcher fills nothing first.
+    `KEY_START` (with `DOCUMENTS`, inference): a document's keys are not its queries' rows but KEYS `[R, 2]` int32
+    (first key, key count) of the same batch row, its queries the last of them (cached keys before: a left-padded
+    batch's prefill after a cache, each row one document from its first real key)."""
     scale_log2 = tl.cast(scale_log2, tl.float32)  # Inductor passes Python floats as float64
     padding = False
     if DOCUMENTS:
@@ -486,12 +490,17 @@ def _lazy_causal_fwd_kernel(Q, K, V, TAU, BAND, QPOS, OUT, LSE, U, DOCS, TILES, 
         padding = length < 0
         q_len = tl.abs(length)
         k_len = q_len
+        k_start = start
+        if KEY_START:
+            k_start = tl.load(KEYS + 2 * tl.maximum(doc, 0)).to(tl.int64)
+            k_len = tl.load(KEYS + 2 * tl.maximum(doc, 0) + 1)
     else:
         pid_bh = tl.program_id(1)
         b = (pid_bh // Hq).to(tl.int64)
         h = pid_bh % Hq
         m0 = tl.program_id(0) * BLOCK_M
         start = 0
+        k_start = 0
         q_len = Tq
         k_len = Tk
     hk = (h // GROUPS).to(tl.int64)
@@ -519,12 +528,12 @@ def _lazy_causal_fwd_kernel(Q, K, V, TAU, BAND, QPOS, OUT, LSE, U, DOCS, TILES, 
     q = _load_rows(Q + b * stride_qb + h.to(tl.int64) * stride_qh + start * stride_qt, stride_qt, rows, offs_d, q_len,
                    D)
     q_pos = tl.load(QPOS + b * Tq + start + rows, mask=row_mask, other=0)
-    acc, u, alive, lse2 = causal_passes(q, q_pos, K + b * stride_kb + hk * stride_kh + start * stride_kt,
-                                        V + b * stride_vb + hk * stride_vh + start * stride_vt, stride_kt, stride_vt,
+    acc, u, alive, lse2 = causal_passes(q, q_pos, K + b * stride_kb + hk * stride_kh + k_start * stride_kt,
+                                        V + b * stride_vb + hk * stride_vh + k_start * stride_vt, stride_kt, stride_vt,
                                         BAND + h * BAND_LEN, TAU + h, m0, q_len, k_len, W, scale_log2, BLOCK_M,
                                         BLOCK_N, BLOCK_D, D, UPCAST, PRECISION, STORE_U=STORE_U,
                                         VSUM=VSUM + b * stride_sb + hk * stride_sh +
-                                        start * stride_st, stride_st=stride_st, PASSES=PASSES)
+                                        k_start * stride_st, stride_st=stride_st, PASSES=PASSES)
     out_offs = b * stride_ob + h.to(tl.int64) * stride_oh + (start + rows)[:, None] * stride_ot + offs_d[None, :]
     out_mask = row_mask[:, None] & (offs_d[None, :] < D)
     tl.store(OUT + out_offs, acc.to(OUT.dtype.element_ty), mask=out_mask)
@@ -590,7 +599,7 @@ def _forward(query, key, value, tau, distance_bias, q_pos, k_pos, q_seg, k_seg, 
 
 
 def _causal_forward(query, key, value, tau, distance_bias, q_pos, scaling, block_d, store_u=False,
-                    documents=None, work_lists=None) -> ForwardResult:
+                    documents=None, work_lists=None, document_keys=None) -> ForwardResult:
     """The causal fast-path forward: `ForwardResult(out [B, Tq, Hq, D], lse [B, Hq, Tq] float32 in log2 units (what
     `_causal_backward` reads), u)`; `store_u` (training): u is `U_i = sum_j m_ij v_j`, `[B, Tq, Hq, D]`, for
     `_causal_backward`, stored as `out` is (the query dtype: `(tau / n) U` is a term of O); otherwise None. Training
@@ -600,7 +609,10 @@ def _causal_forward(query, key, value, tau, distance_bias, q_pos, scaling, block
     `documents` (`[R, 3]` int32: batch row, first token, length; `document_table` of lazy_attention_torch): the
     rows hold documents, each its own causal layout at positions 0 .. length - 1 (packed documents, padded rows; Tq
     = Tk); the table's runs of padding (negative lengths) get out 0, u 0 and the dead-row LSE from the kernel, which
-    so writes every token."""
+    so writes every token. `document_keys` (`[R, 2]` int32: first key, key count; inference): each document's keys,
+    of which its queries are the last (`left_padded_documents`: a left-padded batch after a cache)."""
+    if document_keys is not None and (documents is None or store_u):
+        raise ValueError("document_keys needs documents and inference (store_u=False)")
     bsz, num_heads, q_len, dim = query.shape
     kv_heads, k_len = key.shape[1], key.shape[2]
     # training runs the heads of one pass and those of two passes as two launches of their own builds and blocks
@@ -632,7 +644,8 @@ def _causal_forward(query, key, value, tau, distance_bias, q_pos, scaling, block
         wrap_triton(_lazy_causal_fwd_kernel)[grid](
             Q=query, K=key, V=value, TAU=tau_f32, BAND=_band_from(band, pad, block_m, block_n), QPOS=q_pos,
             OUT=out, LSE=lse, U=u if store_u else lse, DOCS=lse if documents is None else documents, TILES=tiles,
-            VSUM=vsum, STORE_U=store_u, DOCUMENTS=documents is not None, PASSES=passes,
+            VSUM=vsum, KEYS=lse if document_keys is None else document_keys, STORE_U=store_u,
+            DOCUMENTS=documents is not None, PASSES=passes, KEY_START=document_keys is not None,
             **_strides("q", query), **_strides("k", key), **_strides("v", value), **_strides("o", out, h=2, t=1),
             **_strides("s", vsum),
             Hq=num_heads, Tq=q_len, Tk=k_len, W=distance_bias.shape[-1], GROUPS=num_heads // kv_heads,

@@ -332,7 +332,8 @@ def test_left_padded_batched_generate_decodes_with_the_native_op(monkeypatch, rn
 
 def test_left_padding_is_recognised_only_where_it_holds():
     """`left_padding` gives per-row key starts only when each row's real keys are one run at the end, at the positions
-    they would have alone; a hole in the mask, explicit shifted positions or several query rows give None."""
+    they would have alone, also for several query rows (a prefill after a cache, its padding possibly ending among
+    the queries); a hole in the mask or explicit shifted positions give None."""
     mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
     meta = ref.LazyMetadata.from_mask(mask, query_length=1, past_length=4)
     assert ops.left_padding(meta).tolist() == [2, 0]
@@ -341,4 +342,11 @@ def test_left_padding_is_recognised_only_where_it_holds():
     shifted = ref.LazyMetadata.from_mask(mask, torch.tensor([[7], [4]]), query_length=1, past_length=4)
     assert ops.left_padding(shifted) is None
     rows = ref.LazyMetadata.from_mask(mask, query_length=2, past_length=3)
-    assert ops.left_padding(rows) is None
+    assert ops.left_padding(rows).tolist() == [2, 0]
+    into_queries = ref.LazyMetadata.from_mask(torch.tensor([[0, 0, 0, 0, 1], [0, 1, 1, 1, 1]]), query_length=3,
+                                              past_length=2)
+    assert ops.left_padding(into_queries).tolist() == [4, 1]
+    hole_rows = ref.LazyMetadata.from_mask(torch.tensor([[1, 1, 0, 1, 1]]), query_length=3, past_length=2)
+    assert ops.left_padding(hole_rows) is None
+    packed = ref.LazyMetadata.from_mask(None, torch.tensor([[0, 1, 0, 1, 2]]), query_length=5)
+    assert ops.left_padding(packed) is None

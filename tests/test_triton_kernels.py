@@ -451,6 +451,56 @@ def documents_fast_path(kernels):
     return errors
 
 
+LEFT_PADDED_CASES = {  # name: (dtype, batch, heads, kv heads, q_len, k_len, dim, window, tau, blocks, left padding)
+    "gqa2-padding-into-the-queries-sm90": (torch.float32, 3, 4, 2, 40, 100, 64, 24, TAU_MIXED[:4], "sm90",
+                                           [0, 30, 75]),
+    "d128-window-long-bf16-sm80": (torch.bfloat16, 2, 2, 1, 33, 50, 128, 128, [-1.0, 0.4], "sm80", [20, 0]),
+}
+
+
+def left_padded_prefill_after_cache(kernels):
+    """Inference of more than 16 query rows of a left-padded batch after cached keys (a chunked prefill, a batched
+    continuation) runs the causal fast path per document from each row's first real key (never the general kernels)
+    against the float64 reference: padding that ends among the cached keys or among the queries (those query rows
+    give exactly 0), a row without padding, GQA, tau of both signs, a window longer than the keys, both block
+    tables; the launcher's buffers poisoned with NaN, so a row no kernel writes shows."""
+    import modeling_lazy.lazy_attention_ops as ops
+    import modeling_lazy.lazy_attention_triton_common as common
+    import modeling_lazy.lazy_attention_triton_forward as forward_kernels
+
+    calls, errors = [], {}
+    originals = (forward_kernels._forward, ops._forward, ops._causal_forward, common._gpu_family)
+    forward_kernels.torch = _NaNBuffers()
+
+    def general(*args, **kwargs):
+        raise AssertionError("a general kernel ran")
+
+    forward_kernels._forward = ops._forward = general
+    ops._causal_forward = lambda *args: calls.append(len(args) > 11 and args[11] is not None) or originals[2](*args)
+    try:
+        for name, case in LEFT_PADDED_CASES.items():
+            dtype, bsz, heads, kv_heads, q_len, k_len, dim, window, tau, blocks, pad = case
+            common._gpu_family = lambda device, blocks=blocks: blocks
+            meta = metadata(bsz, q_len, k_len, pad=pad)
+            query, key, value, tau_t, bias, _ = make_inputs(bsz, heads, kv_heads, q_len, k_len, dim, window, dtype,
+                                                            tau, seed=fresh_seed())
+            scaling = dim ** -0.5
+            calls.clear()
+            with torch.no_grad():
+                out = kernels.lazy_attention_triton(query, key, value, tau_t, bias, as_metadata(*meta), scaling)
+            assert calls == [True], (name, calls)
+            expected = reference(*(x.double() for x in (query, key, value, tau_t, bias)), *meta, scaling)
+            padding = meta[2] < 0  # query rows before their row's first real key
+            assert padding.any(), name
+            assert torch.equal(out[padding], torch.zeros_like(out[padding])), name
+            errors[name] = relative_error(out, expected)
+            assert errors[name] < TOLERANCE[dtype], (name, errors[name])
+    finally:
+        forward_kernels._forward, ops._forward, ops._causal_forward, common._gpu_family = originals
+        forward_kernels.torch = torch
+    return errors
+
+
 def training_workloads() -> dict:
     """The training batches people run, for a tiny model (vocabulary 97, 24 tokens): `lazy-finetune`'s collator
     (packed blocks, restarting `position_ids`), TRL's padding-free batches (`cu_seq_lens_q` with restarting
@@ -1078,6 +1128,55 @@ def model_greedy_generation_matches_eager(kernels):
     return {"tokens": lazy_tokens.tolist()}
 
 
+def model_chunked_prefill_left_padded(kernels):
+    """`generate(prefill_chunk_size=20)` of a left-padded batch (45-token prompts, one padded by 30) on the interpreted
+    kernels gives eager attention's greedy tokens, and every call reaches a fast path: the first chunk per document,
+    the second (20 rows after 20 cached keys, the padded row's padding ending among its queries) per document from
+    each row's first real key, the last 5 rows the packed decode of any layout, then the left-padded decode."""
+    import modeling_lazy.lazy_attention_ops as ops
+    from modeling_lazy import LazyLlamaConfig, LazyLlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LazyLlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, lazy_bias_window=16,
+                             max_position_embeddings=128)
+    model = LazyLlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.tau.copy_(torch.tensor([-1.0, 0.5, -0.4, 0.0]))
+            layer.self_attn.distance_bias.normal_(0.0, 1.0)
+    gen = torch.Generator().manual_seed(fresh_seed())
+    input_ids = torch.randint(3, 97, (2, 45), generator=gen)
+    attention_mask = torch.ones(2, 45, dtype=torch.long)
+    attention_mask[1, :30] = 0
+    input_ids = input_ids * attention_mask
+    kwargs = dict(attention_mask=attention_mask, max_new_tokens=3, do_sample=False, pad_token_id=0,
+                  prefill_chunk_size=20)
+    calls = []
+    originals = (ops._causal_forward, ops._packed_decode, ops._forward)
+    ops._causal_forward = lambda *a: calls.append(
+        "after a cache" if len(a) > 11 and a[11] is not None else "per document" if len(a) > 9 else "causal") or (
+        originals[0](*a))
+    ops._packed_decode = lambda *a, **kw: calls.append(
+        "left-padded decode" if kw.get("key_starts") is not None else
+        "any-layout decode" if kw.get("key_mask") is not None else "decode") or originals[1](*a, **kw)
+    ops._forward = lambda *a, **kw: calls.append("general") or originals[2](*a, **kw)
+    try:
+        with torch.no_grad():
+            tokens = model.generate(input_ids, **kwargs)
+    finally:
+        ops._causal_forward, ops._packed_decode, ops._forward = originals
+    model.set_attn_implementation("eager")
+    with torch.no_grad():
+        eager_tokens = model.generate(input_ids, **kwargs)
+    layers = config.num_hidden_layers
+    expected = (["per document"] * layers + ["after a cache"] * layers + ["any-layout decode"] * layers
+                + ["left-padded decode"] * (2 * layers))
+    assert calls == expected, calls
+    assert torch.equal(tokens, eager_tokens), (tokens, eager_tokens)
+    return {"tokens": tokens[:, 45:].tolist()}
+
+
 def compiled_training_takes_the_document_path(kernels):
     """A training step under torch.compile (fullgraph; AOT autograd's graphs run as traced) on the
     interpreted kernels: for each layout of `training_workloads` every layer's forward graph node is
@@ -1236,7 +1335,9 @@ CASES = {
     "causal-fast-path-minus-inf-bias": causal_fast_path_minus_inf_bias,
     "documents-fast-path": documents_fast_path,
     "model-workloads-take-the-document-path": model_workloads_take_the_document_path,
+    "left-padded-prefill-after-cache": left_padded_prefill_after_cache,
     "compiled-training-takes-the-document-path": compiled_training_takes_the_document_path,
+    "model-chunked-prefill-left-padded": model_chunked_prefill_left_padded,
     "packed-decode-reference": packed_decode_matches_reference,
     "packed-decode-skips-dead-value-tiles": packed_decode_skips_dead_value_tiles,
     "packed-decode-dispatch": packed_decode_dispatch,
