@@ -71,6 +71,10 @@ def test_table_sends_cuda_calls_to_the_triton_operators(monkeypatch):
     assert table(CUDA, rows=5, causal=False, grad=True, static=True) == "torch_train"  # general kernel: Tk - Tq
     assert table(CUDA, rows=17, causal=False, static=True) == "torch_prefill"
     assert table(CUDA, rows=300, causal=False, documents=True) == "triton_documents"
+    # a left-padded batch after a cache: inference with > 16 rows per document from each row's first key
+    assert table(CUDA, rows=300, causal=False, left_padded=True) == "triton_left_padded"
+    assert table(CUDA, rows=300, causal=False, grad=True, left_padded=True) == "triton"  # training: general
+    assert table(CUDA, rows=1, causal=False, left_padded=True) == "triton_decode"
     assert table(CUDA, rows=1, dtype=torch.float64) == "torch_decode"
     assert table(CUDA, rows=300, dtype=torch.float64) == "torch_prefill"  # auto: float64 is not a Triton dtype
     monkeypatch.setenv(ops.BACKEND_ENV, "torch")
