@@ -140,12 +140,16 @@ def correctness_gate(device, shapes, keep_going=False) -> list[str]:
 def documents_gate(device, keep_going=False, shrink=1) -> None:
     """Packed documents (`cu_seq_lens`) and right/left-padded batches through the public entry point: the op layer
     must run the causal fast path per document (`_causal_forward` with a document table), and the output and five
-    gradients must match the float32 reference as the plain gate's do. `shrink` divides every length (the
-    interpreter's smoke run)."""
+    gradients must match the float32 reference as the plain gate's do; then a left-padded batch after a cache
+    (inference), which must run it per row from the first real key, its output matching the reference. `shrink`
+    divides every length (the interpreter's smoke run)."""
     import modeling_lazy.lazy_attention_ops as ops
 
     ran, forward = [], ops._causal_forward
-    ops._causal_forward = lambda *args: ran.append(args[-1] is not None) or forward(*args)
+    # the launcher's arguments 10 (a document table) and 12 (its documents' keys: after a cache)
+    ops._causal_forward = lambda *args: ran.append(
+        "after a cache" if len(args) > 11 and args[11] is not None else
+        "per document" if len(args) > 9 and args[9] is not None else "other") or forward(*args)
     gen = torch.Generator(device="cpu").manual_seed(5)
     documents = [max(1, n // shrink) for n in (1, 700, 3, 129, 1, 1000, 64, 90)]
     cu = torch.tensor([0, *torch.tensor(documents).cumsum(0).tolist()], device=device)
@@ -169,11 +173,31 @@ def documents_gate(device, keep_going=False, shrink=1) -> None:
                 ref.backward(grad)
                 errors = [_relative(out.detach(), ref.detach())]
                 errors += [_relative(t.grad, r.grad) for t, r in zip(leaves, ref_leaves)]
-                ok = max(errors) < 4e-2 and ran[-1:] == [True]
+                ok = max(errors) < 4e-2 and ran[-1:] == ["per document"]
                 failures += not ok
-                path = "per document" if ran[-1:] == [True] else "OTHER PATH"
+                path = "per document" if ran[-1:] == ["per document"] else "OTHER PATH"
                 lines.append(f"| {label} {bsz}x{length} | {tau} | " + " | ".join(f"{e:.1e}" for e in errors)
                              + f" | {path} | {'ok' if ok else 'FAIL'} |")
+        # inference after a cache, left-padded (a chunked prefill's later chunk): each row from its first real key
+        ran.clear()
+        chunk, total = 300 // shrink + 17, 1000 // shrink + 17
+        starts = torch.tensor([0, 400 // shrink, total - 100 // shrink])  # the last row's padding ends in the chunk
+        mask = (torch.arange(total) >= starts[:, None]).long().to(device)
+        meta = LazyMetadata.from_mask(mask, query_length=chunk, past_length=total - chunk)
+        for tau in (-1.0, 0.5):
+            q = torch.randn(3, 8, chunk, 128, generator=gen).to(device, torch.bfloat16)
+            k, v = (torch.randn(3, 2, total, 128, generator=gen).to(device, torch.bfloat16) for _ in range(2))
+            args = (q, k, v, torch.full((8,), tau, device=device), 0.3 * torch.randn(8, 256, generator=gen).to(device))
+            with torch.no_grad():
+                out = lazy_triton.lazy_attention_triton(*args, meta, 128**-0.5)
+                ref, _ = lazy_attention_reference(*(t.float() for t in args), meta, 128**-0.5)
+            error = _relative(out, ref)
+            after_cache = ran[-1:] == ["after a cache"]
+            ok = error < 4e-2 and after_cache
+            failures += not ok
+            path = "per document from the first key" if after_cache else "OTHER PATH"
+            lines.append(f"| left-padded after a cache 3x{chunk} (+{total - chunk} cached; inference) | {tau} | "
+                         f"{error:.1e} | - | - | - | - | - | {path} | {'ok' if ok else 'FAIL'} |")
     finally:
         ops._causal_forward = forward
     print("\n| layout (GQA 8/2, D 128) | tau | out | dq | dk | dv | dtau | dbias | kernels | gate |")
@@ -381,11 +405,52 @@ def _sdpa_flash(q, k, v):
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
+def _sdpa_flash_lower_right(q, k, v):
+    """SDPA-flash with the causal mask aligned to the last key (queries after cached keys)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.attention.bias import causal_lower_right
+
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(q.shape[2], k.shape[2]))
+
+
+def prefill_after_cache_row(device, heads, dim, shrink, gen) -> None:
+    """A left-padded batch's prefill chunk after cached keys (inference: `generate(prefill_chunk_size=...)`'s second
+    chunk), 4 rows of 2048 queries after 2048 keys, one row's padding ending among the queries: Lazy through its
+    public entry point against SDPA-flash per row on the useful tokens."""
+    chunk, cached = 2048 // shrink, 2048 // shrink
+    starts = [s // shrink for s in (0, 512, 1024, 2600)]
+    total = chunk + cached
+    q = torch.randn(4, heads, chunk, dim, generator=gen).to(device, torch.bfloat16)
+    k, v = (torch.randn(4, heads, total, dim, generator=gen).to(device, torch.bfloat16) for _ in range(2))
+    tau = torch.full((heads,), -1.0, device=device)
+    bias = (1e-3 * torch.randn(heads, 1024, generator=gen)).to(device)
+    mask = (torch.arange(total) >= torch.tensor(starts)[:, None]).long().to(device)
+    meta = LazyMetadata.from_mask(mask, query_length=chunk, past_length=cached)
+    scaling = dim**-0.5
+
+    def lazy():
+        with torch.no_grad():
+            lazy_triton.lazy_attention_triton(q, k, v, tau, bias, meta, scaling)
+
+    def sdpa_useful():
+        with torch.no_grad():
+            for b, s in enumerate(starts):
+                first = max(0, s - cached)
+                _sdpa_flash_lower_right(q[b:b + 1, :, first:], k[b:b + 1, :, s:], v[b:b + 1, :, s:])
+
+    times = time_interleaved({"sdpa-flash (useful tokens)": sdpa_useful, "lazy": lazy}, device, repeats=10)
+    label = f"left-padded prefill after a cache, 4 x {chunk} after {cached} (forward)"
+    for name, ms in times.items():
+        print(f"| {label} | {name} | {ms:.3f} | {ms / times['sdpa-flash (useful tokens)']:.2f} |", flush=True)
+
+
 def workload_table(device, heads=16, dim=128, shrink=1) -> None:
     """What users run, forward+backward in bf16 (H*D = 2048, 16k tokens): the plain causal layout, packed documents
     of mixed lengths (`cu_seq_lens`), a right-padded batch with 25% padding; Lazy through its public entry point
     (the op layer picks the kernels), SDPA-flash on the same useful tokens (one call per document or row) and on
-    the padded batch as it is. Then decode after left padding against the same rows unpadded. `shrink` divides
+    the padded batch as it is. Then a left-padded prefill after a cache (forward), and decode after left padding
+    against the same rows unpadded. `shrink` divides
     every length (the interpreter's smoke run)."""
     print("\n| workload | method | ms | / SDPA-flash (useful tokens) |")
     print("|---|---|---|---|")
@@ -440,6 +505,7 @@ def workload_table(device, heads=16, dim=128, shrink=1) -> None:
     del cases  # the decode rows allocate their own tensors
     if device.type == "cuda":
         torch.cuda.empty_cache()
+    prefill_after_cache_row(device, heads, dim, shrink, gen)
     decode_workloads(device, shrink)
 
 
