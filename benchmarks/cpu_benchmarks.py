@@ -47,13 +47,14 @@ SIZES = {
                             num_attention_heads=9, num_key_value_heads=3, tie_word_embeddings=True),
                  prefill=[128, 512, 2048], prompts=[128, 1024], new_tokens=64, train=[512, 2048],
                  batch_prompts=[64, 80, 96, 112, 128, 72, 104, 120], packed_train=(2048, [256, 1024, 512, 256]),
-                 padded_train=(512, [512, 384, 320, 320]),
+                 padded_train=(512, [512, 384, 320, 320]), chunked_prefill=(1024, [1024, 768, 512, 256], 256),
                  decode_contexts=[1024, 4096, 8192], decode_steps=16, smollm2_context=8192),
     "smoke": dict(attn_lengths=[64, 256], heads=4, dim=32, rounds=3, memory_lengths=[256, 1024],
                   model=dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                              num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True),
                   prefill=[32, 128], prompts=[16], new_tokens=8, train=[64],
                   batch_prompts=[8, 12, 16], packed_train=(64, [16, 48]), padded_train=(32, [32, 24, 16]),
+                  chunked_prefill=(64, [64, 40, 20], 24),
                   decode_contexts=[64, 256], decode_steps=4, smollm2_context=None),
 }
 
@@ -307,8 +308,10 @@ def bench_workloads(size):
     both models on the same inputs: one optimizer step on a right-padded SFT batch (labels -100 on padding) and on
     the packed batch as TRL's padding-free collator gives it (`position_ids` restarting per document and
     `cu_seq_lens_q/k`, no mask), that packed step of both models wrapped in `torch.compile` (inductor),
-    `generate()` with a static cache (eager, and compiled through `compile_config`), and a prefill of the
-    `torch.compile`d models (inductor; the first, compiling call of each is the warm-up)."""
+    `generate()` with a static cache (eager, and compiled through `compile_config`), a prefill of the
+    `torch.compile`d models (inductor; the first, compiling call of each is the warm-up), and a left-padded batch's
+    chunked prefill (`generate(prefill_chunk_size=...)`, one new token: every chunk after the first runs after a
+    cache)."""
     print("\n### Workloads: LazyLlama time / LlamaForCausalLM (sdpa) time, tau = -1; tokens/s ratio = 1 / this\n")
     print(_row(["workload", "path (CPU)", "time ratio (spread)", "tokens/s ratio", "lazy s", "llama s"]))
     print(_row(["---"] * 6))
@@ -335,6 +338,11 @@ def bench_workloads(size):
     def compiled_prefill(model):
         with torch.no_grad():
             compiled[model](prefill, logits_to_keep=1)
+
+    width, prompt_lengths, chunk = size["chunked_prefill"]
+    chunk_ids = torch.randint(3, vocab, (len(prompt_lengths), width))
+    chunked = dict(attention_mask=(torch.arange(width) >= width - torch.tensor(prompt_lengths)[:, None]).long(),
+                   max_new_tokens=1, do_sample=False, pad_token_id=0, prefill_chunk_size=chunk)
     rows = [
         (f"padded SFT batch, train step ({len(useful)} rows of {row_length}, {1 - sum(useful) / mask.numel():.0%} "
          "padding)",
@@ -355,6 +363,11 @@ def bench_workloads(size):
         (f"prefill L={prefill.shape[1]}, torch.compile (inductor)", "the op layer's operators: the chunked prefill",
          "prefill compiled", lambda: interleaved_ratio(lambda: compiled_prefill(lazy), lambda: compiled_prefill(llama),
                                                        size["rounds"])),
+        (f"left-padded batch, chunked prefill ({len(prompt_lengths)} prompts of {min(prompt_lengths)}-{width}, "
+         f"chunks of {chunk}, 1 new token)", "chunks after the cache: each row causal from its first real key",
+         "chunked prefill left-padded",
+         lambda: interleaved_ratio(lambda: lazy.generate(chunk_ids, **chunked),
+                                   lambda: llama.generate(chunk_ids, **chunked), size["rounds"])),
     ]
     for label, path, measure, run in rows if size.get("train_steps", True) else rows[3:]:
         r = run()

@@ -391,6 +391,14 @@ def _span_metadata(metadata: LazyMetadata, b: int, s: int, e: int) -> LazyMetada
     return LazyMetadata.from_tensors(pos, pos, seg, seg, key_offset=0, causal=True, positions32=(pos, pos))
 
 
+def _row_after_cache_metadata(metadata: LazyMetadata, b: int, start: int, first: int) -> LazyMetadata:
+    """The causal layout of row b of a left-padded batch after a cache (`left_padding`): its keys from `start`, its
+    queries from row `first`, the last of those keys."""
+    q_pos, k_pos = metadata.q_pos[b:b + 1, first:], metadata.k_pos[b:b + 1, start:]
+    q_seg, k_seg = metadata.q_seg[b:b + 1, first:], metadata.k_seg[b:b + 1, start:]
+    return LazyMetadata.from_tensors(q_pos, k_pos, q_seg, k_seg, causal=True, positions32=(q_pos, k_pos))
+
+
 def _scaled_inputs(query, key, value, metadata: LazyMetadata, scaling):
     """`(q [B, Hkv, G, Tq, D] scaled, k, v [B, Hkv, Tk, D])` in the compute dtype; keys cut to the metadata."""
     bsz, num_heads, q_len, dim = query.shape
@@ -419,6 +427,17 @@ def _lazy_forward(query, key, value, tau, distance_bias, metadata: LazyMetadata,
                             _span_metadata(metadata, b, s, e), out[b:b + 1, s:e], inference)
         # the general layout's lse shape (what the operator's fake promises); the backward takes the same spans
         return out, torch.zeros(bsz, num_heads, q_len, dtype=q.dtype, device=q.device)
+    key_starts = left_padding(metadata) if inference else None
+    if key_starts is not None:  # a left-padded batch after a cache: each row causal from its first real key
+        k_len = metadata.key_length
+        for b, start in enumerate(key_starts.tolist()):
+            first = min(q_len, max(0, start - (k_len - q_len)))  # query rows before it are padding: 0
+            out[b:b + 1, :first].zero_()
+            if first < q_len:
+                _causal_forward(q[b:b + 1, :, :, first:], k[b:b + 1, :, start:], v[b:b + 1, :, start:], tau,
+                                distance_bias, _row_after_cache_metadata(metadata, b, start, first),
+                                out[b:b + 1, first:], inference)
+        return out, None
     return out, _general_forward(q, k, v, tau, distance_bias, metadata, out)
 
 

@@ -253,6 +253,45 @@ def test_documents_and_padding_take_the_causal_path_per_document(layout, tau_kin
         torch.testing.assert_close(a.double(), b, atol=1e-4, rtol=1e-3, msg=lambda m: f"d{name}, seed {rng_seed}: {m}")
 
 
+@pytest.mark.parametrize("native", [True, False], ids=["native-op", "pytorch-chunks"])
+def test_left_padded_prefill_after_a_cache_runs_each_row_causally(native, rng_seed, monkeypatch):
+    """Inference of a left-padded batch's prompt chunk after cached keys (`generate(prefill_chunk_size=...)`, a
+    batched continuation): each row runs the causal path from its first real key (never the general chunks), rows
+    whose padding ends among the queries give exactly 0 there, against the float64 oracle on metadata written
+    here."""
+    from reference64 import lazy_attention64
+
+    def general(*args):
+        raise AssertionError("the general path ran")
+
+    monkeypatch.setattr(ops, "_general_forward", general)
+    if not native:
+        monkeypatch.setenv("LAZY_LLAMA_CPU_KERNEL", "0")
+    monkeypatch.setattr(ops, "_CHUNK_ELEMENTS", 1 << 12)
+    bsz, heads, q_len, past = 4, 4, 40, 60
+    k_len = q_len + past
+    starts = [0, 17, 60, 83]  # the last two rows' padding ends at / inside the queries
+    mask = (torch.arange(k_len) >= torch.tensor(starts)[:, None]).long()
+    meta = ref.LazyMetadata.from_mask(mask, query_length=q_len, past_length=past)
+    assert ops.left_padding(meta).tolist() == starts
+    q, k, v, tau, bias = _inputs(bsz, heads, 2, q_len, past, 16, 24, [-1.0, 0.6, 0.0, -0.3])
+    with torch.no_grad():
+        out = ops.lazy_attention_torch(q, k, v, tau, bias, meta, 16**-0.5)
+    # the oracle's layout: row b's real keys from starts[b] at positions 0, 1, ...; padding keys in no segment
+    index = torch.arange(k_len)
+    real = index >= torch.tensor(starts)[:, None]
+    k_pos = torch.where(real, index - torch.tensor(starts)[:, None], 0)
+    k_seg = torch.where(real, 0, -1)
+    q_seg = torch.where(real[:, past:], 0, -2)
+    want, _ = lazy_attention64(*(t.detach().double() for t in (q, k, v, tau, bias)), k_pos[:, past:], k_pos, q_seg,
+                               k_seg, 16**-0.5)
+    want = want.transpose(1, 2)
+    torch.testing.assert_close(out.double(), want, atol=2e-5, rtol=1e-4, msg=lambda m: f"seed {rng_seed}: {m}")
+    padding = ~real[:, past:]
+    assert padding[3, :23].all() and not padding[3, 23:].any()
+    assert torch.equal(out[padding], torch.zeros_like(out[padding]))
+
+
 def test_a_document_split_by_padding_keeps_the_general_path():
     """A mask with a hole inside one document: its later tokens see its earlier ones across the gap, which no
     per-document slice expresses; the general path runs."""

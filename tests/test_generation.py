@@ -52,6 +52,28 @@ def test_chunked_prefill_matches_one_shot(model):
     assert (got - full)[mask.bool()].abs().max() < 1e-5
 
 
+def test_chunked_prefill_of_a_left_padded_batch_equals_one_shot(model, monkeypatch):
+    """`generate(prefill_chunk_size=20)` of 60-token prompts, one left-padded by 30 (its padding ends inside the
+    second chunk): the same logits and tokens as one prefill, and the chunks after the cache run each row causally
+    from its first real key, never the general path."""
+    import modeling_lazy.lazy_attention_torch as torch_path
+
+    def general(*args):
+        raise AssertionError("the general path ran")
+
+    ids = torch.randint(3, 97, (2, 60))
+    mask = torch.ones_like(ids)
+    mask[1, :30] = 0
+    ids = ids * mask
+    one_shot = model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0,
+                              output_logits=True, return_dict_in_generate=True)
+    monkeypatch.setattr(torch_path, "_general_forward", general)
+    chunked = model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0,
+                             output_logits=True, return_dict_in_generate=True, prefill_chunk_size=20)
+    assert torch.equal(chunked.sequences, one_shot.sequences)
+    torch.testing.assert_close(torch.stack(chunked.logits), torch.stack(one_shot.logits), atol=1e-5, rtol=1e-5)
+
+
 def test_left_padded_batch_equals_each_prompt_alone(model):
     prompts = [torch.randint(3, 97, (n,)) for n in (8, 3, 5)]
     width = max(len(p) for p in prompts)
