@@ -600,21 +600,26 @@ def left_padding(metadata: LazyMetadata) -> torch.Tensor | None:
     """`key_starts [B]` int32 when each sequence's real keys are `key_starts[b] .. Tk - 1`, at the positions of those
     keys alone (`0 .. Tk - 1 - key_starts[b]`), and its queries the last Tq keys, each seeing the real keys up to
     itself (a query row before `key_starts[b]`, padding, sees none): a left-padded batch, as batched `generate()`
-    gives it (one query row when decoding; more in a prefill after a cache). None for any other layout. Computed
-    once per forward (the model's metadata tensors are shared by every layer)."""
+    gives it (one query row when decoding; more in a prefill after a cache, where a row may be all padding so far:
+    `key_starts[b] = Tk`). None for any other layout. Computed once per forward (the model's metadata tensors are
+    shared by every layer)."""
     if metadata.static_buffer:
         return None
 
     def build():
         k_len, q_len = metadata.key_length, metadata.q_pos.shape[1]
         q_pos, k_pos, k_seg, q_seg = metadata.q_pos, metadata.k_pos, metadata.k_seg, metadata.q_seg
-        starts = k_len - 1 - q_pos[:, -1]  # where the last query's document starts, if it is all the real keys
+        # where the last query's document starts, if it is all the real keys; Tk for a row of padding so far (a
+        # chunked prefill's short prompt), which only several query rows may have: a decoded row is real
+        empty = q_seg[:, -1] < 0
+        starts = torch.where(empty, k_len, k_len - 1 - q_pos[:, -1])
         index = torch.arange(k_len, device=k_pos.device)
         real = index >= starts[:, None]
         q_real = real[:, k_len - q_len:]
         # one host sync: every start inside the row, exactly the real keys in segment 0 (padding keys negative) at
         # positions 0 .. (their index - start), and exactly the real queries in segment 0 at their keys' positions
-        fits = ((starts >= 0).all() & ((k_seg >= 0) == real).all() & (k_seg <= 0).all()
+        fits = ((starts >= 0).all() & ~(empty.any() & (q_len == 1)) & ((k_seg >= 0) == real).all()
+                & (k_seg <= 0).all()
                 & ((k_pos == index - starts[:, None]) | ~real).all() & ((q_seg == 0) == q_real).all()
                 & ((q_pos == index[k_len - q_len:] - starts[:, None]) | ~q_real).all())
         return starts.to(torch.int32).contiguous() if bool(fits) else None

@@ -268,9 +268,9 @@ def test_left_padded_prefill_after_a_cache_runs_each_row_causally(native, rng_se
     if not native:
         monkeypatch.setenv("LAZY_LLAMA_CPU_KERNEL", "0")
     monkeypatch.setattr(ops, "_CHUNK_ELEMENTS", 1 << 12)
-    bsz, heads, q_len, past = 4, 4, 40, 60
+    bsz, heads, q_len, past = 5, 4, 40, 60
     k_len = q_len + past
-    starts = [0, 17, 60, 83]  # the last two rows' padding ends at / inside the queries
+    starts = [0, 17, 60, 83, 100]  # padding ending at / inside the queries; a row of padding so far
     mask = (torch.arange(k_len) >= torch.tensor(starts)[:, None]).long()
     meta = ref.LazyMetadata.from_mask(mask, query_length=q_len, past_length=past)
     assert ops.left_padding(meta).tolist() == starts
@@ -288,7 +288,7 @@ def test_left_padded_prefill_after_a_cache_runs_each_row_causally(native, rng_se
     want = want.transpose(1, 2)
     torch.testing.assert_close(out.double(), want, atol=2e-5, rtol=1e-4, msg=lambda m: f"seed {rng_seed}: {m}")
     padding = ~real[:, past:]
-    assert padding[3, :23].all() and not padding[3, 23:].any()
+    assert padding[3, :23].all() and not padding[3, 23:].any() and padding[4].all()
     assert torch.equal(out[padding], torch.zeros_like(out[padding]))
 
 

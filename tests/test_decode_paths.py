@@ -346,6 +346,9 @@ def test_left_padding_is_recognised_only_where_it_holds():
     into_queries = ref.LazyMetadata.from_mask(torch.tensor([[0, 0, 0, 0, 1], [0, 1, 1, 1, 1]]), query_length=3,
                                               past_length=2)
     assert ops.left_padding(into_queries).tolist() == [4, 1]
+    all_padding = torch.tensor([[0, 0, 0, 0, 0], [0, 1, 1, 1, 1]])  # a short prompt's row, padding so far
+    assert ops.left_padding(ref.LazyMetadata.from_mask(all_padding, query_length=3, past_length=2)).tolist() == [5, 1]
+    assert ops.left_padding(ref.LazyMetadata.from_mask(all_padding, query_length=1, past_length=4)) is None
     hole_rows = ref.LazyMetadata.from_mask(torch.tensor([[1, 1, 0, 1, 1]]), query_length=3, past_length=2)
     assert ops.left_padding(hole_rows) is None
     packed = ref.LazyMetadata.from_mask(None, torch.tensor([[0, 1, 0, 1, 2]]), query_length=5)

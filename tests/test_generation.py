@@ -54,16 +54,17 @@ def test_chunked_prefill_matches_one_shot(model):
 
 def test_chunked_prefill_of_a_left_padded_batch_equals_one_shot(model, monkeypatch):
     """`generate(prefill_chunk_size=20)` of 60-token prompts, one left-padded by 30 (its padding ends inside the
-    second chunk): the same logits and tokens as one prefill, and the chunks after the cache run each row causally
-    from its first real key, never the general path."""
+    second chunk), one by 45 (all padding in the second chunk): the same logits and tokens as one prefill, and the
+    chunks after the cache run each row causally from its first real key, never the general path."""
     import modeling_lazy.lazy_attention_torch as torch_path
 
     def general(*args):
         raise AssertionError("the general path ran")
 
-    ids = torch.randint(3, 97, (2, 60))
+    ids = torch.randint(3, 97, (3, 60))
     mask = torch.ones_like(ids)
     mask[1, :30] = 0
+    mask[2, :45] = 0
     ids = ids * mask
     one_shot = model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0,
                               output_logits=True, return_dict_in_generate=True)

@@ -452,8 +452,8 @@ def documents_fast_path(kernels):
 
 
 LEFT_PADDED_CASES = {  # name: (dtype, batch, heads, kv heads, q_len, k_len, dim, window, tau, blocks, left padding)
-    "gqa2-padding-into-the-queries-sm90": (torch.float32, 3, 4, 2, 40, 100, 64, 24, TAU_MIXED[:4], "sm90",
-                                           [0, 30, 75]),
+    "gqa2-padding-into-the-queries-sm90": (torch.float32, 4, 4, 2, 40, 100, 64, 24, TAU_MIXED[:4], "sm90",
+                                           [0, 30, 75, 100]),  # the last row: padding so far
     "d128-window-long-bf16-sm80": (torch.bfloat16, 2, 2, 1, 33, 50, 128, 128, [-1.0, 0.4], "sm80", [20, 0]),
 }
 
@@ -462,8 +462,9 @@ def left_padded_prefill_after_cache(kernels):
     """Inference of more than 16 query rows of a left-padded batch after cached keys (a chunked prefill, a batched
     continuation) runs the causal fast path per document from each row's first real key (never the general kernels)
     against the float64 reference: padding that ends among the cached keys or among the queries (those query rows
-    give exactly 0), a row without padding, GQA, tau of both signs, a window longer than the keys, both block
-    tables; the launcher's buffers poisoned with NaN, so a row no kernel writes shows."""
+    give exactly 0), a row of padding so far (a short prompt in a chunked prefill), a row without padding, GQA, tau
+    of both signs, a window longer than the keys, both block tables; the launcher's buffers poisoned with NaN, so a
+    row no kernel writes shows."""
     import modeling_lazy.lazy_attention_ops as ops
     import modeling_lazy.lazy_attention_triton_common as common
     import modeling_lazy.lazy_attention_triton_forward as forward_kernels
@@ -1129,10 +1130,11 @@ def model_greedy_generation_matches_eager(kernels):
 
 
 def model_chunked_prefill_left_padded(kernels):
-    """`generate(prefill_chunk_size=20)` of a left-padded batch (45-token prompts, one padded by 30) on the interpreted
-    kernels gives eager attention's greedy tokens, and every call reaches a fast path: the first chunk per document,
-    the second (20 rows after 20 cached keys, the padded row's padding ending among its queries) per document from
-    each row's first real key, the last 5 rows the packed decode of any layout, then the left-padded decode."""
+    """`generate(prefill_chunk_size=20)` of a left-padded batch (45-token prompts, padded by 0, 30 and 40) on the
+    interpreted kernels gives eager attention's greedy tokens, and every call reaches a fast path: the first chunk
+    per document, the second (20 rows after 20 cached keys: one row's padding ends among its queries, one row is all
+    padding so far) per document from each row's first real key, the last 5 rows the packed decode of any layout,
+    then the left-padded decode."""
     import modeling_lazy.lazy_attention_ops as ops
     from modeling_lazy import LazyLlamaConfig, LazyLlamaForCausalLM
 
@@ -1146,9 +1148,10 @@ def model_chunked_prefill_left_padded(kernels):
             layer.self_attn.tau.copy_(torch.tensor([-1.0, 0.5, -0.4, 0.0]))
             layer.self_attn.distance_bias.normal_(0.0, 1.0)
     gen = torch.Generator().manual_seed(fresh_seed())
-    input_ids = torch.randint(3, 97, (2, 45), generator=gen)
-    attention_mask = torch.ones(2, 45, dtype=torch.long)
+    input_ids = torch.randint(3, 97, (3, 45), generator=gen)
+    attention_mask = torch.ones(3, 45, dtype=torch.long)
     attention_mask[1, :30] = 0
+    attention_mask[2, :40] = 0  # all padding in the first two chunks
     input_ids = input_ids * attention_mask
     kwargs = dict(attention_mask=attention_mask, max_new_tokens=3, do_sample=False, pad_token_id=0,
                   prefill_chunk_size=20)
