@@ -116,8 +116,8 @@ def choose_kernel(device: torch.device, dtype: torch.dtype, query_rows: int, bat
     eager calls only, and `traced` (under torch.compile or export, where those facts are unknown when the graph is
     made).
 
-        Triton (uses_triton: LAZY_LLAMA_BACKEND, device, dtype); a static buffer: inference with Tq <= 16, or
-        training with one query row
+        Triton (uses_triton: LAZY_LLAMA_BACKEND, device, dtype); a static buffer: inference (traced; with Tq > 16
+        the operator below cuts it), or training with one query row
           causal, training or Tq > 16                     triton_causal  (the causal fast path; training stores U
                                                                           for its backward; <= 16 rows: the packed
                                                                           decode forward, the general backward)
@@ -126,8 +126,10 @@ def choose_kernel(device: torch.device, dtype: torch.dtype, query_rows: int, bat
           left-padded after a cache, inference, Tq > 16   triton_left_padded (the same, each row one document
             (eager)                                                       from its first real key)
           traced, not causal, training or Tq > 16         triton_traced  (an operator opaque to the tracer that
-                                                                          asks for documents when it runs: the
-                                                                          lines above, else the general kernels)
+            (a static buffer: inference)                                  asks for documents when it runs: the
+                                                                          lines above, else the general kernels;
+                                                                          a static buffer cut to its written keys
+                                                                          first, then also the causal fast path)
           inference, Tq <= 16                             triton_decode  (the packed decode, split-K: causal; Tq = 1
                                                                           left-padded (eager): each row from its
                                                                           first real key; else any layout: a static
@@ -146,14 +148,15 @@ def choose_kernel(device: torch.device, dtype: torch.dtype, query_rows: int, bat
           otherwise                                       torch_prefill  (chunked, inference)
     """
     few_rows = query_rows <= DECODE_MAX_ROWS
-    if uses_triton(device, dtype, backend) and not (static_buffer and query_rows > 1 and (needs_grad or not few_rows)):
+    if uses_triton(device, dtype, backend) and not (static_buffer and query_rows > 1
+                                                    and (needs_grad or not (few_rows or traced))):
         if causal and (needs_grad or not few_rows):
             return "triton_causal"
         if documents and not causal and not static_buffer:
             return "triton_documents"
         if left_padded and not (causal or static_buffer or needs_grad or few_rows):
             return "triton_left_padded"
-        if traced and not causal and not static_buffer and (needs_grad or not few_rows):
+        if traced and not causal and (needs_grad or not few_rows) and not (static_buffer and needs_grad):
             return "triton_traced"
         return "triton_decode" if few_rows and not needs_grad else "triton"
     if needs_grad:
@@ -344,20 +347,43 @@ def _run_time_metadata(q_pos, k_pos, q_seg, k_seg) -> LazyMetadata:
     return LazyMetadata.from_tensors(q_pos, k_pos, q_seg, k_seg, causal=False, positions32=(q_pos, k_pos))
 
 
+def _written_keys(q_pos: torch.Tensor, k_pos: torch.Tensor, q_seg: torch.Tensor, k_seg: torch.Tensor,
+                  k_pos32: torch.Tensor, key_offset: torch.Tensor) -> tuple[int, torch.Tensor, torch.Tensor,
+                                                                          torch.Tensor, torch.Tensor, bool]:
+    """`(k_len, k_pos, k_seg, k_pos32, causal)` of a static cache's buffer cut to its written keys (`key_offset + Tq`,
+    one host sync): the layout an eager call of the same tokens sees, and whether it is the plain causal one. Once
+    per forward (the metadata tensors are every layer's)."""
+    def build():
+        k_len = int(key_offset) + q_pos.shape[1]
+        cut = [t[:, :k_len].contiguous() for t in (k_pos, k_seg, k_pos32)]
+        return k_len, *cut, _is_causal_layout(q_pos, cut[0], q_seg, cut[1], k_len - q_pos.shape[1])
+
+    return _parameter_fact(k_seg, ("written keys", id(q_pos), id(key_offset)), build)
+
+
 def _triton_traced_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, tau: torch.Tensor,
                              distance_bias: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
                              q_seg: torch.Tensor, k_seg: torch.Tensor, q_pos32: torch.Tensor, k_pos32: torch.Tensor,
-                             store_u: bool, scaling: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                             store_u: bool, scaling: float, key_offset: torch.Tensor | None = None
+                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`lazy_llama::triton_attention` of a layout that is not the plain causal one, under torch.compile or export:
     whether the layout is one of documents (packed, padded rows) is a fact of the tensors' values, and its document
     table needs host syncs, so this operator is opaque to the tracer and asks when it runs (the causal fast path per
-    document, or in inference a left-padded batch after a cache, else the general kernels). `u` has the forward's
-    full shape when `store_u`, as the fake says (unused, and not written, where the general kernels ran)."""
-    metadata = _run_time_metadata(q_pos, k_pos, q_seg, k_seg)
-    documents, key_starts = document_table(metadata), None
-    if documents is None and not store_u and query.shape[2] > DECODE_MAX_ROWS:
-        key_starts = left_padding(metadata)
-    out, lse, u = _triton_attention(query, key, value, tau, distance_bias, q_pos32, k_pos32, q_seg, k_seg, False,
+    document, or in inference a left-padded batch after a cache, else the general kernels). `key_offset` (a 0-d
+    tensor; inference only): the keys are a static cache's whole buffer, cut here to the written ones, whose layout
+    may then also be the plain causal one (a compiled prefill of one prompt). `u` has the forward's full shape when
+    `store_u`, as the fake says (unused, and not written, where the general kernels ran)."""
+    causal = False
+    if key_offset is not None:
+        k_len, k_pos, k_seg, k_pos32, causal = _written_keys(q_pos, k_pos, q_seg, k_seg, k_pos32, key_offset)
+        key, value = key.narrow(2, 0, k_len), value.narrow(2, 0, k_len)
+    documents = key_starts = None
+    if not causal:
+        metadata = _run_time_metadata(q_pos, k_pos, q_seg, k_seg)
+        documents = document_table(metadata)
+        if documents is None and not store_u and query.shape[2] > DECODE_MAX_ROWS:
+            key_starts = left_padding(metadata)
+    out, lse, u = _triton_attention(query, key, value, tau, distance_bias, q_pos32, k_pos32, q_seg, k_seg, causal,
                                     store_u, scaling, documents, key_starts)
     if store_u and documents is None:
         u = query.new_empty(out.shape)
@@ -376,7 +402,9 @@ def _triton_traced_attention_backward(grad_out: torch.Tensor, query: torch.Tenso
 
 
 def _triton_traced_setup_context(ctx, inputs, output):
-    query, key, value, tau, distance_bias, q_pos, k_pos, q_seg, k_seg, q_pos32, k_pos32, _, scaling = inputs
+    query, key, value, tau, distance_bias, q_pos, k_pos, q_seg, k_seg, q_pos32, k_pos32, _, scaling, key_offset = inputs
+    if key_offset is not None:
+        raise NotImplementedError("lazy_llama::triton_traced_attention: a static cache's buffer is for inference only.")
     out, lse, u = output
     ctx.save_for_backward(query, key, value, tau, distance_bias, q_pos, k_pos, q_seg, k_seg, q_pos32, k_pos32, lse,
                           out, u)
@@ -385,11 +413,11 @@ def _triton_traced_setup_context(ctx, inputs, output):
 
 def _triton_traced_autograd(ctx, grad_out, _grad_lse, _grad_u):
     grads = torch.ops.lazy_llama.triton_traced_attention_backward(grad_out, *ctx.saved_tensors, ctx.scaling)
-    return (*grads, None, None, None, None, None, None, None, None)
+    return (*grads, None, None, None, None, None, None, None, None, None)
 
 
 def _triton_traced_attention_fake(query, key, value, tau, distance_bias, q_pos, k_pos, q_seg, k_seg, q_pos32, k_pos32,
-                                  store_u, scaling):
+                                  store_u, scaling, key_offset=None):
     bsz, num_heads, q_len, dim = query.shape
     f32 = dict(dtype=torch.float32, device=query.device)
     u = query.new_empty(bsz, q_len, num_heads, dim) if store_u else torch.empty(0, **f32)
@@ -540,7 +568,8 @@ def lazy_attention(query, key, value, tau, distance_bias, metadata: LazyMetadata
     if kernel == "triton_traced":
         return torch.ops.lazy_llama.triton_traced_attention(query, key, value, tau, distance_bias, metadata.q_pos,
                                                             metadata.k_pos, metadata.q_seg, metadata.k_seg, q_pos,
-                                                            k_pos, needs_grad, scaling)[0]
+                                                            k_pos, needs_grad, scaling,
+                                                            metadata.key_offset if metadata.static_buffer else None)[0]
     if kernel == "triton_decode":
         if metadata.causal or key_starts is not None:
             return torch.ops.lazy_llama.triton_decode(

@@ -69,7 +69,10 @@ def test_table_sends_cuda_calls_to_the_triton_operators(monkeypatch):
         "triton_decode")
     assert table(CUDA, rows=1, causal=False, grad=True, static=True) == "triton"  # one row: Tk - Tq holds
     assert table(CUDA, rows=5, causal=False, grad=True, static=True) == "torch_train"  # general kernel: Tk - Tq
-    assert table(CUDA, rows=17, causal=False, static=True) == "torch_prefill"
+    assert table(CUDA, rows=17, causal=False, static=True) == "torch_prefill"  # (a static buffer is only traced)
+    # a compiled prefill of > 16 rows into a static cache: the traced operator cuts the buffer when it runs
+    assert table(CUDA, rows=17, causal=False, static=True, traced=True) == "triton_traced"
+    assert table(CUDA, rows=17, causal=False, grad=True, static=True, traced=True) == "torch_train"
     assert table(CUDA, rows=300, causal=False, documents=True) == "triton_documents"
     # a left-padded batch after a cache: inference with > 16 rows per document from each row's first key
     assert table(CUDA, rows=300, causal=False, left_padded=True) == "triton_left_padded"
@@ -312,11 +315,11 @@ def traced(fn, *args):
             if n.op == "call_function" and str(n.target).startswith("lazy_llama.")]
 
 
-def attention(q_len, k_len, mask=None, static=False):
-    grad = q_len > 1
+def attention(q_len, k_len, mask=None, static=False, grad=None):
+    grad = q_len > 1 if grad is None else grad
 
     if static:  # a static cache's buffer: the written length is a tensor
-        past = torch.tensor(k_len - 4, dtype=torch.long)
+        past = torch.tensor(k_len - q_len - 3, dtype=torch.long)  # 3 slots unwritten
         meta = LazyMetadata.from_mask(mask, query_length=q_len, batch_size=B, past_length=past, key_length=k_len)
     else:
         meta = LazyMetadata.from_mask(mask, query_length=q_len, batch_size=B, past_length=k_len - q_len)
@@ -340,6 +343,7 @@ found = {
     "forward and backward (padded)": attention(40, 40, padded),
     "decode": attention(1, 40),
     "decode (static cache, compiled)": attention(1, 40, static=True),
+    "prefill (static cache, compiled)": attention(20, 40, static=True, grad=False),
     "decode (padded, compiled)": attention(1, 40, padded),
 }
 
@@ -379,6 +383,13 @@ for mask in (padded[:, :20], torch.ones(B, 20, dtype=torch.long).index_fill_(1, 
     out, lse, u = torch.ops.lazy_llama.triton_traced_attention(*args[:-2], True, 0.25)
     checks.setdefault("triton_traced_attention_backward", []).append(
         (torch.randn_like(out), *args[:-2], lse, out, u, 0.25))
+# a static cache's whole buffer (inference): 20 rows after 6 written keys, 40 slots
+past = torch.tensor(6)
+meta = LazyMetadata.from_mask(padded, query_length=20, batch_size=B, past_length=past, key_length=40)
+tensors = (meta.q_pos, meta.k_pos, meta.q_seg, meta.k_seg, meta.q_pos32, meta.k_pos32)
+checks["triton_traced_attention"].append((torch.randn(B, H, 20, D), torch.randn(B, HKV, 40, D),
+                                          torch.randn(B, HKV, 40, D), torch.randn(H), torch.randn(H, W), *tensors,
+                                          False, 0.25, past))
 for name, calls in checks.items():
     for args in calls:
         torch.library.opcheck(getattr(torch.ops.lazy_llama, name).default, args,
@@ -405,6 +416,7 @@ def test_triton_operators_appear_in_traced_graphs(tmp_path):
         "forward and backward (padded)": "triton_traced_attention,triton_traced_attention_backward",
         "decode": "triton_decode",
         "decode (static cache, compiled)": "triton_decode",
+        "prefill (static cache, compiled)": "triton_traced_attention",
         "decode (padded, compiled)": "triton_decode",
         "paged step": "triton_paged",
         "opcheck": "ok",

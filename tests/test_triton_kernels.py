@@ -1327,6 +1327,97 @@ def compiled_static_cache_generation(kernels):
     return results
 
 
+def compiled_static_cache_prefill(kernels):
+    """`model.forward` compiled whole (fullgraph; transformers' static-cache recipe, Dynamo's graph run as captured)
+    with `generate(cache_implementation="static")` on the interpreted kernels: the prefill of more than 16 tokens
+    hands a layer the cache's whole buffer, which `lazy_llama::triton_traced_attention` cuts to its written keys when
+    it runs, so one prompt takes the causal fast path, a left-padded batch the per-document one and a chunked
+    prefill's later chunk the per-row path after a cache (never the general kernels); the prefill's logits are the
+    uncompiled model's and the greedy tokens eager attention's."""
+    from transformers import StaticCache
+
+    import modeling_lazy.lazy_attention_ops as ops
+    from modeling_lazy import LazyLlamaConfig, LazyLlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LazyLlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, lazy_bias_window=16,
+                             max_position_embeddings=128)
+    model = LazyLlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.tau.copy_(torch.tensor([-1.0, 0.5, -0.4, 0.0]))
+            layer.self_attn.distance_bias.normal_(0.0, 1.0)
+    graphs, calls = [], []
+
+    def keep(graph, _):
+        graphs.append(graph)
+        return graph.forward
+
+    gen = torch.Generator().manual_seed(fresh_seed())
+    workloads = {}
+    for name, lengths, chunk in (("one prompt", [24], None), ("one prompt, chunked prefill", [45], 20),
+                                 ("left-padded batch", [24, 19], None),
+                                 ("left-padded batch, chunked prefill", [45, 15, 5], 20)):
+        ids = torch.randint(3, 97, (len(lengths), max(lengths)), generator=gen)
+        mask = torch.stack([torch.arange(max(lengths)) >= max(lengths) - n for n in lengths]).long()
+        workloads[name] = (ids * mask, mask, chunk, len(lengths))
+    # a prefill in one call initialises the static cache (its length an int then, the keys this call's: the
+    # per-document path); a chunked prefill initialises it first, so each chunk of more than 16 rows hands over the
+    # whole buffer, which the operator cuts (the last 5 rows and every decode step run the packed decode)
+    expected = {"one prompt": ["per document"], "one prompt, chunked prefill": ["causal", "causal"],
+                "left-padded batch": ["per document"],
+                "left-padded batch, chunked prefill": ["per document", "after a cache"]}
+    originals = (ops._causal_forward, ops._forward)
+    ops._causal_forward = lambda *a: calls.append(
+        "after a cache" if len(a) > 11 and a[11] is not None else "per document" if len(a) > 9 else "causal") or (
+        originals[0](*a))
+    ops._forward = lambda *a, **kw: calls.append("general") or originals[1](*a, **kw)
+    kwargs = {name: dict(attention_mask=mask, max_new_tokens=3, do_sample=False, pad_token_id=0, eos_token_id=None,
+                         prefill_chunk_size=chunk) for name, (ids, mask, chunk, rows) in workloads.items()}
+    with torch.no_grad():  # uncompiled: the logits of a prefill in one call, and eager attention's greedy tokens
+        want_logits = {name: model(ids, attention_mask=mask).logits
+                       for name, (ids, mask, chunk, rows) in workloads.items() if chunk is None}
+        model.set_attn_implementation("eager")
+        want_tokens = {name: model.generate(ids, **kwargs[name]) for name, (ids, *_) in workloads.items()}
+        model.set_attn_implementation("lazy")
+    results = {}
+    model.forward = torch.compile(model.forward, backend=keep, fullgraph=True)
+    try:
+        for name, (ids, mask, chunk, rows) in workloads.items():
+            calls.clear()
+            graphs.clear()
+            torch.compiler.reset()  # each workload its graphs (batch sizes, chunk lengths: more than the limit)
+            with torch.no_grad():
+                got = model.generate(ids, cache_implementation="static", **kwargs[name])
+            prefill = [call for call in calls]
+            assert prefill == [kind for kind in expected[name] for _ in range(config.num_hidden_layers)], (
+                name, prefill)
+            called = [[str(n.target).split(".")[1] for n in graph.graph.nodes
+                       if n.op == "call_function" and str(n.target).startswith("lazy_llama.")] for graph in graphs]
+            assert ["triton_traced_attention"] * config.num_hidden_layers in called, (name, called)
+            if chunk is None:  # the prefill's logits into a new static cache, and into the same one reset (its
+                cache = StaticCache(config=config, max_cache_len=ids.shape[1] + 8)  # length a tensor: the buffer)
+                want = want_logits[name]
+                with torch.no_grad():
+                    for reset in (False, True):
+                        cache.reset()
+                        calls.clear()
+                        logits = model(ids, attention_mask=mask, past_key_values=cache).logits
+                        kind = "causal" if reset and rows == 1 else "per document"
+                        assert calls == [kind] * config.num_hidden_layers, (name, reset, calls)
+                        real = mask.bool()
+                        assert torch.allclose(logits[real], want[real], rtol=1e-4, atol=1e-5), (
+                            name, reset, (logits[real] - want[real]).abs().max())
+            assert torch.equal(got, want_tokens[name]), (name, got, want_tokens[name])
+            results[name] = got[:, ids.shape[1]:].tolist()
+    finally:
+        del model.forward
+        ops._causal_forward, ops._forward = originals
+        torch.compiler.reset()
+    return results
+
+
 CASES = {
     **{f"reference-{name}": reference_case(name) for name in REFERENCE_CASES},
     "sm80-block-table": ampere_blocks,
@@ -1352,6 +1443,7 @@ CASES = {
     "launcher-device-ops": launcher_device_ops,
     "model-greedy-generation-triton-vs-eager": model_greedy_generation_matches_eager,
     "compiled-static-cache-generation": compiled_static_cache_generation,
+    "compiled-static-cache-prefill": compiled_static_cache_prefill,
 }
 
 
