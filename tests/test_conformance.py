@@ -574,3 +574,68 @@ def test_past_key_values_is_the_deprecated_name_of_cache_like_llama(rng_seed):
         assert any("Both" in m for m in both_warnings)
     assert [m.split(" Using")[0] for m in messages["LazyLlamaForCausalLM"]] == \
         [m.split(" Using")[0] for m in messages["LlamaForCausalLM"]]
+
+
+# ------------------------------------------------------------------------------------------ PEFT prompt learning
+
+PROMPT_LEARNING = {
+    "prefix tuning": lambda peft: peft.PrefixTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=5),
+    "prompt tuning": lambda peft: peft.PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=5),
+    "p-tuning": lambda peft: peft.PromptEncoderConfig(task_type="CAUSAL_LM", num_virtual_tokens=5,
+                                                      encoder_hidden_size=32),
+}
+
+
+@pytest.mark.parametrize("method", list(PROMPT_LEARNING))
+def test_peft_prompt_learning_trains_and_generates_like_the_references(method, rng_seed):
+    """PEFT's prompt-learning methods on LazyLlama (virtual tokens as cached keys and values for prefix tuning, as
+    input embeddings for prompt tuning and p-tuning), on a right-padded batch: with tau = 0 and a zero bias the loss
+    and the prompt's gradients are a Llama twin's with the same prompt (the virtual tokens take the first positions
+    in both); with tau of both signs and a bias they are eager attention's; `generate()` gives eager attention's
+    tokens (prompt tuning and p-tuning: with transformers 5.24 and peft 0.21 a prefix-tuned `generate()` drops the
+    prefix, for Llama as for LazyLlama: PEFT hands it over as the deprecated `past_key_values`, which loses against
+    the `cache` that `generate()` passes)."""
+    peft = pytest.importorskip("peft")
+    lazy = tiny_model()
+    ids = torch.randint(3, 97, (2, 12))
+    mask = torch.ones_like(ids)
+    mask[1, 8:] = 0
+    labels = ids.masked_fill(mask == 0, -100)
+    init_seed = int(torch.randint(0, 2**31 - 1, ()))
+
+    def prompt_model(base):
+        torch.manual_seed(init_seed)  # the same virtual tokens for every base model
+        return peft.get_peft_model(copy.deepcopy(base), PROMPT_LEARNING[method](peft))
+
+    def loss_and_grads(model):
+        loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+        params = [p for p in model.parameters() if p.requires_grad]
+        assert params and all(p.dtype == torch.float32 for p in params)
+        return loss.detach(), torch.autograd.grad(loss, params)
+
+    exact = copy.deepcopy(lazy)
+    with torch.no_grad():
+        for layer in exact.model.layers:
+            layer.self_attn.tau.zero_()
+            layer.self_attn.distance_bias.zero_()
+    llama = llama_twin(lazy.config)
+    llama.load_state_dict({k: v for k, v in exact.state_dict().items() if not k.endswith(("tau", "distance_bias"))})
+    got, want = loss_and_grads(prompt_model(exact)), loss_and_grads(prompt_model(llama.eval()))
+    torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-5)
+    for g, w in zip(got[1], want[1]):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-6)
+
+    model = prompt_model(lazy)
+    got = loss_and_grads(model)
+    assert all(g.abs().sum() > 0 for g in got[1])
+    generates = method != "prefix tuning"
+    with torch.no_grad():
+        tokens = model.generate(input_ids=ids[:1, :6], max_new_tokens=4, do_sample=False) if generates else None
+    model.get_base_model().set_attn_implementation("eager")
+    want = loss_and_grads(model)
+    torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-5)
+    for g, w in zip(got[1], want[1]):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-6)
+    if generates:
+        with torch.no_grad():
+            assert torch.equal(tokens, model.generate(input_ids=ids[:1, :6], max_new_tokens=4, do_sample=False))
