@@ -266,6 +266,31 @@ def test_compiled_forward_without_padding(rng_seed):
     assert torch.equal(got, want) and hasattr(model, "_compiled_call")
 
 
+def test_whole_forward_compiled_with_a_reused_static_cache(rng_seed):
+    """transformers' static-cache recipe: `model.forward = torch.compile(model.forward)` and one `StaticCache` reused
+    (reset) across `generate()` calls. The first call initialises the cache in its prefill; the second call's
+    prefill (17 rows) gets the cache's whole buffer with the written length a tensor, which the operator cuts when
+    it runs. Both give the uncompiled tokens and logits (a left-padded batch)."""
+    model = tiny_model(num_hidden_layers=2)
+    ids, mask = left_padded([17, 12])
+    kwargs = dict(attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0, eos_token_id=None,
+                  return_dict_in_generate=True, output_logits=True)
+    want = model.generate(ids, **kwargs)
+    cache = StaticCache(config=model.config, max_cache_len=24)
+    torch.compiler.reset()
+    model.forward = torch.compile(model.forward, backend="aot_eager", fullgraph=True)
+    try:
+        for _ in range(2):
+            cache.reset()
+            got = model.generate(ids, cache=cache, **kwargs)
+            assert torch.equal(got.sequences, want.sequences)
+            for a, b in zip(got.logits, want.logits):
+                torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    finally:
+        del model.forward
+        torch.compiler.reset()
+
+
 # ------------------------------------------------------------------------------- past max_position_embeddings
 
 @pytest.mark.parametrize("implementation", ["lazy", "eager"])

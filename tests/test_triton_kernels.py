@@ -1329,11 +1329,12 @@ def compiled_static_cache_generation(kernels):
 
 def compiled_static_cache_prefill(kernels):
     """`model.forward` compiled whole (fullgraph; transformers' static-cache recipe, Dynamo's graph run as captured)
-    with `generate(cache_implementation="static")` on the interpreted kernels: the prefill of more than 16 tokens
-    hands a layer the cache's whole buffer, which `lazy_llama::triton_traced_attention` cuts to its written keys when
-    it runs, so one prompt takes the causal fast path, a left-padded batch the per-document one and a chunked
-    prefill's later chunk the per-row path after a cache (never the general kernels); the prefill's logits are the
-    uncompiled model's and the greedy tokens eager attention's."""
+    with a static cache on the interpreted kernels. Once the cache is initialised (a chunked prefill; a cache reset
+    for another call) a prefill of more than 16 tokens hands a layer the cache's whole buffer, which
+    `lazy_llama::triton_traced_attention` cuts to its written keys when it runs, so one prompt takes the causal fast
+    path, a left-padded batch the per-document one and a chunked prefill's later chunk the per-row path after a
+    cache (never the general kernels); the prefill's logits are the uncompiled model's and the greedy tokens eager
+    attention's."""
     from transformers import StaticCache
 
     import modeling_lazy.lazy_attention_ops as ops
