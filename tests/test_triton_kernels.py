@@ -1129,6 +1129,30 @@ def model_greedy_generation_matches_eager(kernels):
     return {"tokens": lazy_tokens.tolist()}
 
 
+def tiny_lazy_model(tau: list[float], window: int):
+    """A 2-layer LazyLlama (4 query heads, 2 KV heads, head dim 16) whose layers have `tau` per head and a N(0, 1)
+    distance bias of `window` distances (seed torch first)."""
+    from modeling_lazy import LazyLlamaConfig, LazyLlamaForCausalLM
+
+    config = LazyLlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, lazy_bias_window=window,
+                             max_position_embeddings=128)
+    model = LazyLlamaForCausalLM(config)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.tau.copy_(torch.tensor(tau))
+            layer.self_attn.distance_bias.normal_(0.0, 1.0)
+    return model
+
+
+def causal_forward_kind(args) -> str:
+    """The path a `_causal_forward` call takes, from its arguments: with a document table (the 10th) per document,
+    with a key table as well (the 12th) per row after a cache, else the plain causal layout."""
+    if len(args) > 11 and args[11] is not None:
+        return "after a cache"
+    return "per document" if len(args) > 9 else "causal"
+
+
 def model_chunked_prefill_left_padded(kernels):
     """`generate(prefill_chunk_size=20)` of a left-padded batch (45-token prompts, padded by 0, 30 and 40) on the
     interpreted kernels gives eager attention's greedy tokens, and every call reaches a fast path: the first chunk
@@ -1136,17 +1160,10 @@ def model_chunked_prefill_left_padded(kernels):
     padding so far) per document from each row's first real key, the last 5 rows the packed decode of any layout,
     then the left-padded decode."""
     import modeling_lazy.lazy_attention_ops as ops
-    from modeling_lazy import LazyLlamaConfig, LazyLlamaForCausalLM
 
     torch.manual_seed(0)
-    config = LazyLlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                             num_attention_heads=4, num_key_value_heads=2, lazy_bias_window=16,
-                             max_position_embeddings=128)
-    model = LazyLlamaForCausalLM(config).eval()
-    with torch.no_grad():
-        for layer in model.model.layers:
-            layer.self_attn.tau.copy_(torch.tensor([-1.0, 0.5, -0.4, 0.0]))
-            layer.self_attn.distance_bias.normal_(0.0, 1.0)
+    model = tiny_lazy_model([-1.0, 0.5, -0.4, 0.0], window=16).eval()
+    config = model.config
     gen = torch.Generator().manual_seed(fresh_seed())
     input_ids = torch.randint(3, 97, (3, 45), generator=gen)
     attention_mask = torch.ones(3, 45, dtype=torch.long)
@@ -1157,9 +1174,7 @@ def model_chunked_prefill_left_padded(kernels):
                   prefill_chunk_size=20)
     calls = []
     originals = (ops._causal_forward, ops._packed_decode, ops._forward)
-    ops._causal_forward = lambda *a: calls.append(
-        "after a cache" if len(a) > 11 and a[11] is not None else "per document" if len(a) > 9 else "causal") or (
-        originals[0](*a))
+    ops._causal_forward = lambda *a: calls.append(causal_forward_kind(a)) or originals[0](*a)
     ops._packed_decode = lambda *a, **kw: calls.append(
         "left-padded decode" if kw.get("key_starts") is not None else
         "any-layout decode" if kw.get("key_mask") is not None else "decode") or originals[1](*a, **kw)
@@ -1192,18 +1207,11 @@ def compiled_training_takes_the_document_path(kernels):
     from torch._functorch.aot_autograd import make_boxed_func
 
     import modeling_lazy.lazy_attention_ops as ops
-    from modeling_lazy import LazyLlamaConfig, LazyLlamaForCausalLM
 
     seed = fresh_seed()
     torch.manual_seed(seed)
-    config = LazyLlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                             num_attention_heads=4, num_key_value_heads=2, lazy_bias_window=8,
-                             max_position_embeddings=128)
-    model = LazyLlamaForCausalLM(config)
-    with torch.no_grad():
-        for layer in model.model.layers:
-            layer.self_attn.tau.copy_(torch.tensor([-1.0, 0.5, -0.3, 0.0]))
-            layer.self_attn.distance_bias.normal_(0.0, 1.0)
+    model = tiny_lazy_model([-1.0, 0.5, -0.3, 0.0], window=8)
+    config = model.config
     graphs, launched = [], []
 
     def keep(graph, _):
@@ -1285,17 +1293,9 @@ def compiled_static_cache_generation(kernels):
     attention's, for a left-padded batch and a second batch of another length without recompiling."""
     from transformers import CompileConfig
 
-    from modeling_lazy import LazyLlamaConfig, LazyLlamaForCausalLM
-
     torch.manual_seed(0)
-    config = LazyLlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                             num_attention_heads=4, num_key_value_heads=2, lazy_bias_window=8,
-                             max_position_embeddings=128)
-    model = LazyLlamaForCausalLM(config).eval()
-    with torch.no_grad():
-        for layer in model.model.layers:
-            layer.self_attn.tau.copy_(torch.tensor([-1.0, 0.5, -0.3, 0.2]))
-            layer.self_attn.distance_bias.normal_(0.0, 1.0)
+    model = tiny_lazy_model([-1.0, 0.5, -0.3, 0.2], window=8).eval()
+    config = model.config
     graphs = []
 
     def keep(graph, _, **_options):  # generate() passes its compile mode on
@@ -1338,17 +1338,10 @@ def compiled_static_cache_prefill(kernels):
     from transformers import StaticCache
 
     import modeling_lazy.lazy_attention_ops as ops
-    from modeling_lazy import LazyLlamaConfig, LazyLlamaForCausalLM
 
     torch.manual_seed(0)
-    config = LazyLlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                             num_attention_heads=4, num_key_value_heads=2, lazy_bias_window=16,
-                             max_position_embeddings=128)
-    model = LazyLlamaForCausalLM(config).eval()
-    with torch.no_grad():
-        for layer in model.model.layers:
-            layer.self_attn.tau.copy_(torch.tensor([-1.0, 0.5, -0.4, 0.0]))
-            layer.self_attn.distance_bias.normal_(0.0, 1.0)
+    model = tiny_lazy_model([-1.0, 0.5, -0.4, 0.0], window=16).eval()
+    config = model.config
     graphs, calls = [], []
 
     def keep(graph, _):
@@ -1370,9 +1363,7 @@ def compiled_static_cache_prefill(kernels):
                 "left-padded batch": ["per document"],
                 "left-padded batch, chunked prefill": ["per document", "after a cache"]}
     originals = (ops._causal_forward, ops._forward)
-    ops._causal_forward = lambda *a: calls.append(
-        "after a cache" if len(a) > 11 and a[11] is not None else "per document" if len(a) > 9 else "causal") or (
-        originals[0](*a))
+    ops._causal_forward = lambda *a: calls.append(causal_forward_kind(a)) or originals[0](*a)
     ops._forward = lambda *a, **kw: calls.append("general") or originals[1](*a, **kw)
     kwargs = {name: dict(attention_mask=mask, max_new_tokens=3, do_sample=False, pad_token_id=0, eos_token_id=None,
                          prefill_chunk_size=chunk) for name, (ids, mask, chunk, rows) in workloads.items()}
