@@ -435,12 +435,14 @@ def _lazy_causal_bwd_dq_kernel(Q, K, V, TAU, BAND, QPOS, QSEG, LSE, DO, DELTA, D
 def _causal_dkdv_tiles(dk, dv, k, v, Q, DO, THR, LSE, DELTA, band, n0, lo, hi, Tq, offset, stride_qt,
                        stride_dot, scale_log2, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                        D: tl.constexpr, BIAS: tl.constexpr, DIAGONAL: tl.constexpr, UPCAST: tl.constexpr,
-                       PRECISION: tl.constexpr, MASK_ROWS: tl.constexpr):
+                       PRECISION: tl.constexpr, DOCUMENTS: tl.constexpr):
     """Query tiles [lo, hi) (step BM) of one key tile and one query head, on transposed `[BN, BM]` tiles:
-    dk += dS^T Q, dv += a^T dO. Rows past Tq (last tile) read row Tq - 1 instead of masking (masked tile loads
-    cost registers); their dead-row LSE and threshold make p = 0 and m = 0, so they add nothing: read from the
-    Delta kernel's padded rows, or with `MASK_ROWS` (a document's rows are followed by the next document's) set by
-    a masked load, a select per loaded value. The thresholds come from THR (the Delta kernel's): a division here
+    dk += dS^T Q, dv += a^T dO. No load is masked (a masked load costs a select per loaded value). Without
+    `DOCUMENTS`, rows past Tq (last tile) read Q, dO and Delta from row Tq - 1 and the Delta kernel's padded rows of
+    LSE and THR, whose dead-row values make p = 0 and m = 0. With `DOCUMENTS` the tiles end at the document's end
+    (a document's rows are followed by the next document's), so only its first tile can start before it: rows < 0
+    read row 0 and lie before every key of the document, where the band's -inf makes p = 0 and the causal test
+    (that tile is at the causal limit) m = 0. The thresholds come from THR (the Delta kernel's): a division here
     would run per score element of the transposed tile."""
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
@@ -448,15 +450,16 @@ def _causal_dkdv_tiles(dk, dv, k, v, Q, DO, THR, LSE, DELTA, band, n0, lo, hi, T
     diagonal = offs_m[None, :] - tl.arange(0, BLOCK_N)[:, None]  # [BN, BM] row (query) - column (key)
     for start_m in range(lo, hi, BLOCK_M):
         rows = start_m + offs_m
-        rows_in = tl.minimum(rows, Tq - 1)
+        if DOCUMENTS:
+            rows_in = tl.maximum(rows, 0)
+            lse_rows = rows_in
+        else:
+            rows_in = tl.minimum(rows, Tq - 1)
+            lse_rows = rows
         q = _load_keys(Q, stride_qt, rows_in, offs_d, Tq, D, BLOCK_D, False)
         do = _load_keys(DO, stride_dot, rows_in, offs_d, Tq, D, BLOCK_D, False)
-        if MASK_ROWS:
-            lse = tl.load(LSE + rows, mask=rows < Tq, other=_DEAD_ROW_LSE)
-            threshold = tl.load(THR + rows, mask=rows < Tq, other=-1.0e30)[None, :]
-        else:
-            lse = tl.load(LSE + rows)
-            threshold = tl.load(THR + rows)[None, :]
+        lse = tl.load(LSE + lse_rows)
+        threshold = tl.load(THR + lse_rows)[None, :]
         p, alive = _causal_bwd_tile(k, q, band + start_m, n0, diagonal, keys[:, None] <= (rows + offset)[None, :],
                                     lse[None, :], threshold, scale_log2, BIAS, DIAGONAL, UPCAST, PRECISION)
         a = tl.maximum(p + threshold, 0.0)
@@ -505,6 +508,11 @@ def _lazy_causal_bwd_dkdv_kernel(Q, K, V, BAND, LSE, DELTA, THR, DO, DK, DV, DOC
         length = tl.where(doc >= 0, tl.load(DOCS + row + 2), 0)
         q_len = length
         k_len = length
+        # key and query tiles end at the document's end (see `_causal_dkdv_tiles`): the work list's tiles from
+        # its start, moved back by the key tiles' overhang; `phase` the query tiles' (their starts are -phase
+        # mod BM)
+        n0 = n0 - (BLOCK_N - length % BLOCK_N) % BLOCK_N
+        phase = (BLOCK_M - length % BLOCK_M) % BLOCK_M
     else:
         pid_bh = tl.program_id(1)
         b = (pid_bh // Hq).to(tl.int64)
@@ -513,36 +521,37 @@ def _lazy_causal_bwd_dkdv_kernel(Q, K, V, BAND, LSE, DELTA, THR, DO, DK, DV, DOC
         start = 0
         q_len = Tq
         k_len = Tk
+        phase = 0
     hk = h // GROUPS
     offs_d = tl.arange(0, BLOCK_D)
     keys = n0 + tl.arange(0, BLOCK_N)
-    k = _load_rows(K + b * stride_kb + hk * stride_kh + start * stride_kt, stride_kt, keys, offs_d, k_len, D)
-    v = _load_rows(V + b * stride_vb + hk * stride_vh + start * stride_vt, stride_vt, keys, offs_d, k_len, D)
+    keys_in = tl.maximum(keys, 0) if DOCUMENTS else keys  # keys < 0 (a document's first tile): key 0's, not stored
+    k = _load_rows(K + b * stride_kb + hk * stride_kh + start * stride_kt, stride_kt, keys_in, offs_d, k_len, D)
+    v = _load_rows(V + b * stride_vb + hk * stride_vh + start * stride_vt, stride_vt, keys_in, offs_d, k_len, D)
     offset = k_len - q_len
     # query tiles: [first, near) cross the causal limit, [near, far) see the whole key tile inside the bias window,
     # [far, q_len) see it entirely at distances >= W (min distance m0 + offset - (n0 + BN - 1))
-    first = tl.maximum(n0 - offset, 0) // BLOCK_M * BLOCK_M
-    near = tl.maximum(first, tl.cdiv(tl.maximum(n0 + BLOCK_N - 1 - offset, 0), BLOCK_M) * BLOCK_M)
-    far = tl.maximum(near, tl.cdiv(tl.maximum(n0 + BLOCK_N - 1 + W - offset, 0), BLOCK_M) * BLOCK_M)
+    first = (tl.maximum(n0 - offset, -phase) + phase) // BLOCK_M * BLOCK_M - phase
+    near = tl.maximum(first, tl.cdiv(tl.maximum(n0 + BLOCK_N - 1 - offset + phase, 0), BLOCK_M) * BLOCK_M - phase)
+    far = tl.maximum(near, tl.cdiv(tl.maximum(n0 + BLOCK_N - 1 + W - offset + phase, 0), BLOCK_M) * BLOCK_M - phase)
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
-    # the last query tile's rows past q_len: a document's are the next document's rows (masked loads); otherwise
-    # the Delta kernel's padding rows, read unmasked (a masked load costs a select per value)
-    MASK_ROWS: tl.constexpr = DOCUMENTS
     row_offs = (b * Hq + h) * Tq + start  # the (batch row, head) row of DELTA, at the document's start
-    padded = (b * Hq + h) * T_ROWS + start  # of THR and LSE (rows past Tq without documents: see MASK_ROWS)
+    padded = (b * Hq + h) * T_ROWS + start  # of THR and LSE (rows past Tq without documents: `_causal_dkdv_tiles`)
     args = (k, v, Q + b * stride_qb + h * stride_qh + start * stride_qt,
             DO + b * stride_dob + h * stride_doh + start * stride_dot, THR + padded, LSE + padded,
             DELTA + row_offs, BAND + h * BAND_LEN + (BLOCK_M + BLOCK_N) + offset,
             n0)  # the band pointer + m0: the band of distance m0 + offset - n0
     dk, dv = _causal_dkdv_tiles(dk, dv, *args, first, tl.minimum(near, q_len), q_len, offset, stride_qt, stride_dot,
-                                scale_log2, BLOCK_M, BLOCK_N, BLOCK_D, D, True, True, UPCAST, PRECISION, MASK_ROWS)
+                                scale_log2, BLOCK_M, BLOCK_N, BLOCK_D, D, True, True, UPCAST, PRECISION, DOCUMENTS)
     dk, dv = _causal_dkdv_tiles(dk, dv, *args, near, tl.minimum(far, q_len), q_len, offset, stride_qt, stride_dot,
-                                scale_log2, BLOCK_M, BLOCK_N, BLOCK_D, D, True, False, UPCAST, PRECISION, MASK_ROWS)
+                                scale_log2, BLOCK_M, BLOCK_N, BLOCK_D, D, True, False, UPCAST, PRECISION, DOCUMENTS)
     dk, dv = _causal_dkdv_tiles(dk, dv, *args, far, q_len, q_len, offset, stride_qt, stride_dot,
-                                scale_log2, BLOCK_M, BLOCK_N, BLOCK_D, D, False, False, UPCAST, PRECISION, MASK_ROWS)
+                                scale_log2, BLOCK_M, BLOCK_N, BLOCK_D, D, False, False, UPCAST, PRECISION, DOCUMENTS)
     out = b * stride_dkb + h * stride_dkh + (start + keys)[:, None] * stride_dkt + offs_d[None, :]
     kv_mask = (keys[:, None] < k_len) & (offs_d[None, :] < D)
+    if DOCUMENTS:
+        kv_mask &= keys[:, None] >= 0
     tl.store(DK + out, (dk * scaling).to(DK.dtype.element_ty), mask=kv_mask)
     tl.store(DV + out, dv.to(DV.dtype.element_ty), mask=kv_mask)
 
