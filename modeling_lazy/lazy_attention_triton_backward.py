@@ -231,7 +231,7 @@ def _lazy_bwd_dkdv_kernel(Q, K, V, TAU, BIAS, QPOS, KPOS, QSEG, KSEG, LSE, DELTA
                 else:  # every weight of the tile is zero: m = 0, so dS = -p * Delta and dv gets nothing
                     ds = -p * delta[:, None]
                 dk += _dot(tl.trans(ds.to(q.dtype)), q, UPCAST, PRECISION)
-                tl.atomic_add(dbias_row + dist, ds, mask=in_window)
+                tl.atomic_add(dbias_row + dist, ds, mask=in_window, sem="relaxed")
     out_off = b * stride_kb + hk * stride_kh + keys[:, None] * stride_kt + offs_d[None, :]
     tl.store(DK + out_off, (dk * scaling).to(DK.dtype.element_ty), mask=kv_mask)
     tl.store(DV + b * stride_vb + hk * stride_vh + keys[:, None] * stride_vt + offs_d[None, :],
@@ -303,13 +303,14 @@ def _causal_bwd_query_tiles(q, do, lse2, threshold, delta, acc, K, V, stride_kt,
         dp = tl.where(alive, _dot(do, tl.trans(v), UPCAST, PRECISION), 0.0)
         ds = p * (dp - delta[:, None])
         acc = _dot(ds.to(k.dtype), k, UPCAST, PRECISION, acc)
-        if BIAS:  # 2 BM BN / S atomics per tile, into the program's private row
+        if BIAS:  # 2 BM BN / S atomics per tile, into the program's private row: relaxed (the default, acq_rel,
+            # puts GPU-wide memory barriers beside each)
             S: tl.constexpr = min(BLOCK_N, 32)
             near, far = _diagonal_sums(ds, BLOCK_M, BLOCK_N, S)
             blocks = tl.arange(0, BLOCK_M // S)[:, None, None] - tl.arange(0, BLOCK_N // S)[None, :, None]
             dist = base - start_n + blocks * S - tl.arange(0, S)[None, None, :]
-            tl.atomic_add(dbias_row + dist, near, mask=(dist >= 0) & (dist < W))
-            tl.atomic_add(dbias_row + dist + S, far, mask=(dist + S >= 0) & (dist + S < W))
+            tl.atomic_add(dbias_row + dist, near, mask=(dist >= 0) & (dist < W), sem="relaxed")
+            tl.atomic_add(dbias_row + dist + S, far, mask=(dist + S >= 0) & (dist + S < W), sem="relaxed")
     return acc
 
 
