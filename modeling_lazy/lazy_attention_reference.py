@@ -237,8 +237,13 @@ def lazy_attention_metadata(
         seg = torch.repeat_interleave(torch.arange(lengths.numel(), device=device), lengths)
         seg = seg[:key_length].expand(batch_size, key_length)
     elif not static_buffer and past_length == 0 and position_ids is not None:
-        diff = torch.diff(k_pos, dim=-1, prepend=k_pos[:, :1] - 1)
-        seg = (diff != 1).long().cumsum(-1)
+        # a document starts at a real key whose position does not continue the previous real key's: padding keys
+        # (left, right, or holes inside a row, whose positions are fill values) neither start nor end one
+        valid = key_valid if key_valid is not None else torch.ones_like(k_pos, dtype=torch.bool)
+        last = torch.where(valid, key_index, -1).cummax(-1).values  # the last real key at or before each key
+        before = torch.cat([last.new_full((last.shape[0], 1), -1), last[:, :-1]], dim=1)  # ... strictly before
+        starts = valid & ((before < 0) | (k_pos != k_pos.gather(1, before.clamp(min=0)) + 1))
+        seg = starts.long().cumsum(-1)
     else:
         seg = torch.zeros(batch_size, key_length, dtype=torch.int32, device=device)
     seg = seg.to(torch.int32)

@@ -25,10 +25,12 @@ def positions_and_documents(attention_mask, position_ids, batch, length):
                 count += ok
         else:
             pos = list(range(length))
-        doc, docs = 0, []
-        for t in range(length):
-            if t > 0 and pos[t] != pos[t - 1] + 1:
-                doc += 1
+        doc, docs, previous = 0, [], None  # a real token whose position does not continue the last real one's
+        for t in range(length):  # starts a document; padding tokens (any fill position) start none
+            if valid[t]:
+                if previous is not None and pos[t] != previous + 1:
+                    doc += 1
+                previous = pos[t]
             docs.append(doc)
         rows.append((pos, docs, valid))
     return rows

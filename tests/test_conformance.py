@@ -131,6 +131,47 @@ def test_static_cache_beam_search_and_continuation(rng_seed):
     assert torch.equal(continued, fresh)
 
 
+def test_pad_tokens_inside_a_prompt_split_no_document(rng_seed):
+    """A prompt holding the pad token mid-row: `generate()` zeroes the mask there and continues the positions after
+    it, which must not start a document (the model once compared the padding's fill positions too, so such a row
+    forgot its first part). With tau = 0 and a zero bias the logits and tokens are a Llama twin's; with tau of both
+    signs the logits are the float64 oracle's and a row fed whole generates what it generates continuing a cache
+    that holds its first part (found by a tiny model that generated the pad token, 0, in such a continuation)."""
+    ids = torch.randint(3, 97, (2, 10))
+    ids[0, 4:7] = 0  # pad tokens inside row 0
+    ids[1, :3] = 0  # left padding in row 1
+    mask = (ids != 0).long()
+    positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)  # what generate() builds
+    greedy = dict(max_new_tokens=4, do_sample=False, pad_token_id=0, eos_token_id=None)
+
+    lazy = tiny_model()
+    with torch.no_grad():
+        for layer in lazy.model.layers:
+            layer.self_attn.tau.zero_()
+            layer.self_attn.distance_bias.zero_()
+    llama = llama_twin(lazy.config).eval()
+    llama.load_state_dict(lazy.state_dict(), strict=False)
+    with torch.no_grad():
+        got = lazy(ids, attention_mask=mask, position_ids=positions).logits
+        want = llama(ids, attention_mask=mask, position_ids=positions).logits
+    real = mask.bool()
+    torch.testing.assert_close(got[real], want[real], rtol=1e-4, atol=1e-4)
+    assert torch.equal(lazy.generate(ids, attention_mask=mask, **greedy),
+                       llama.generate(ids, attention_mask=mask, **greedy))
+
+    model = tiny_model()
+    with torch.no_grad():
+        got = model(ids, attention_mask=mask, position_ids=positions).logits.double()
+    want = lazy_llama_logits64(model, ids, mask, positions)
+    torch.testing.assert_close(got[real], want[real], rtol=1e-4, atol=1e-4)
+    row = ids[:1]
+    for cache in (DynamicCache(config=model.config), StaticCache(config=model.config, max_cache_len=32)):
+        model.generate(row[:, :7], attention_mask=torch.ones_like(row[:, :7]), max_new_tokens=1, do_sample=False,
+                       pad_token_id=0, eos_token_id=None, cache=cache)  # the first part, up to its pad tokens
+        continued = model.generate(row, cache=cache, **greedy)
+        assert torch.equal(continued, model.generate(row, **greedy)), type(cache).__name__
+
+
 def test_assisted_and_prompt_lookup_decoding_equal_greedy(rng_seed):
     """Candidate-verifying decoding (a LazyLlama assistant, prompt lookup) crops and re-extends the cache: the
     tokens are plain greedy's."""
