@@ -135,10 +135,9 @@ def test_static_cache_beam_search_and_continuation(rng_seed):
 
 def test_pad_tokens_inside_a_prompt_split_no_document(rng_seed):
     """A prompt holding the pad token mid-row: `generate()` zeroes the mask there and continues the positions after
-    it, which must not start a document (the model once compared the padding's fill positions too, so such a row
-    forgot its first part). With tau = 0 and a zero bias the logits and tokens are a Llama twin's; with tau of both
-    signs the logits are the float64 oracle's and a row fed whole generates what it generates continuing a cache
-    that holds its first part (found by a tiny model that generated the pad token, 0, in such a continuation)."""
+    it, which must not start a document (padding's fill positions are not compared). With tau = 0 and a zero bias
+    the logits and tokens are a Llama twin's; with tau of both signs the logits are the float64 oracle's, and a row
+    fed whole generates what it generates continuing a cache that holds its first part."""
     ids = torch.randint(3, 97, (2, 10))
     ids[0, 4:7] = 0  # pad tokens inside row 0
     ids[1, :3] = 0  # left padding in row 1
