@@ -70,7 +70,8 @@ def requested_backend(backend: str | None = None) -> str:
     refused."""
     choice = (environment_setting("BACKEND", "auto") if backend is None else backend).strip().lower()
     if choice not in BACKENDS:
-        raise ValueError(f"{BACKEND_ENV} (or backend=) must be one of auto, triton, torch; got {choice!r}.")
+        raise ValueError(f"{BACKEND_ENV} (or LAZY_ATTENTION_BACKEND, or backend=) must be one of auto, triton, torch; "
+                         f"got {choice!r}.")
     return choice
 
 

@@ -24,18 +24,24 @@ import torch
 # the PyTorch few-row decode): `tl.dot` needs tiles of >= 16 rows.
 DECODE_MAX_ROWS = 16
 ENV_PREFIX = "LAZY_LLAMA_"
-# Names used before the single prefix: still read, with one deprecation line each.
-_OLD_ENV_NAMES = {"LAZY_LLAMA_BACKEND": "LAZY_ATTENTION_BACKEND", "LAZY_LLAMA_CPU_KERNEL": "LAZY_ATTENTION_CPU_KERNEL",
-                  "LAZY_LLAMA_CACHE": "LAZYLLAMA_CACHE"}
+# Other names read for a variable: the Lazy Attention specification's name for the backend switch, read silently
+# (scripts written against the specification set it); names used before the single prefix, with one deprecation
+# line each.
+_SPEC_ENV_NAMES = {"LAZY_LLAMA_BACKEND": "LAZY_ATTENTION_BACKEND"}
+_OLD_ENV_NAMES = {"LAZY_LLAMA_CPU_KERNEL": "LAZY_ATTENTION_CPU_KERNEL", "LAZY_LLAMA_CACHE": "LAZYLLAMA_CACHE"}
 _WARNED_OLD_NAMES: set = set()
 
 
 def environment_setting(name: str, default: str | None = None) -> str | None:
-    """The environment variable `LAZY_LLAMA_<name>` (read at every call), else its old name (warned once), else
-    `default`. Every variable the project reads goes through here, so they all share one prefix."""
+    """The environment variable `LAZY_LLAMA_<name>` (read at every call), else the specification's name for it,
+    else its old name (warned once), else `default`. Every variable the project reads goes through here, so they all
+    share one prefix."""
     full = ENV_PREFIX + name
     if full in os.environ:
         return os.environ[full]
+    spec = _SPEC_ENV_NAMES.get(full)
+    if spec is not None and spec in os.environ:
+        return os.environ[spec]
     old = _OLD_ENV_NAMES.get(full)
     if old is not None and old in os.environ:
         if old not in _WARNED_OLD_NAMES:

@@ -293,8 +293,28 @@ def test_backend_environment_variable(monkeypatch):
     assert torch.equal(model(ids).logits, base)
 
 
-@pytest.mark.parametrize("old, new, value", [("LAZY_ATTENTION_BACKEND", "BACKEND", "torch"),
-                                             ("LAZY_ATTENTION_CPU_KERNEL", "CPU_KERNEL", "0"),
+def test_specification_backend_name_is_read_without_a_warning(monkeypatch):
+    """`LAZY_ATTENTION_BACKEND`, the specification's name, works as `LAZY_LLAMA_BACKEND` does, silently."""
+    import warnings
+
+    from modeling_lazy import lazy_attention_ops as ops
+
+    model = tiny_model()
+    ids = torch.randint(3, 97, (1, 8))
+    monkeypatch.delenv("LAZY_LLAMA_BACKEND", raising=False)
+    monkeypatch.setenv("LAZY_ATTENTION_BACKEND", "Torch")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert ops.requested_backend() == "torch"
+        base = model(ids).logits
+    monkeypatch.setenv("LAZY_ATTENTION_BACKEND", "bogus")
+    with pytest.raises(ValueError, match="LAZY_ATTENTION_BACKEND"):
+        model(ids)
+    monkeypatch.setenv("LAZY_LLAMA_BACKEND", "torch")  # the project's own name takes precedence
+    assert torch.equal(model(ids).logits, base)
+
+
+@pytest.mark.parametrize("old, new, value", [("LAZY_ATTENTION_CPU_KERNEL", "CPU_KERNEL", "0"),
                                              ("LAZYLLAMA_CACHE", "CACHE", "/tmp/somewhere")])
 def test_old_environment_names_still_work_with_a_deprecation_line(monkeypatch, old, new, value):
     from modeling_lazy import lazy_attention_reference as reference
