@@ -654,8 +654,9 @@ class _LazyLlamaTaskHead:
         super().__init__(config)
 
 
-# Llama's three task heads: transformers' generic heads on a LazyLlamaModel (`base_model_prefix = "model"`, so a
-# causal-LM checkpoint loads into them with only the new head initialised).
+# Llama's three task heads: transformers' generic heads on a LazyLlamaModel, under Llama's names: `model` for
+# sequence and token classification (a causal-LM checkpoint loads into them with only the new head initialised),
+# `transformer` for question answering, as `LlamaForQuestionAnswering` has it, so its checkpoints map 1:1.
 class LazyLlamaForSequenceClassification(
     _LazyLlamaTaskHead, GenericForSequenceClassification, LazyLlamaPreTrainedModel
 ):
@@ -667,7 +668,7 @@ class LazyLlamaForTokenClassification(_LazyLlamaTaskHead, GenericForTokenClassif
 
 
 class LazyLlamaForQuestionAnswering(_LazyLlamaTaskHead, GenericForQuestionAnswering, LazyLlamaPreTrainedModel):
-    ...
+    base_model_prefix = "transformer"
 
 
 __all__ = [

@@ -540,22 +540,33 @@ HEADS = [
 
 @pytest.mark.parametrize("auto_class, head_class, targets", HEADS, ids=lambda x: getattr(x, "__name__", ""))
 def test_task_head_trains_saves_and_loads(auto_class, head_class, targets, tmp_path, rng_seed):
-    """Each head: loss and gradients (tau and bias included), save/load through its Auto class, and a causal-LM
-    checkpoint loads into it with only the new head initialised."""
+    """Each head: loss and gradients (tau and bias included), save/load through its Auto class, and the checkpoint
+    a user starts from loads into it with only the new head initialised: a causal LM's for the classifiers, Llama's
+    question-answering head's (its base model under `transformer`, Llama's name) for question answering."""
     causal = tiny_model()
-    causal.save_pretrained(tmp_path / "causal")
-    head = auto_class.from_pretrained(tmp_path / "causal", num_labels=3)
+    if head_class is LazyLlamaForQuestionAnswering:
+        from transformers import LlamaForQuestionAnswering
+
+        config = causal.config.to_dict()
+        source = LlamaForQuestionAnswering(LlamaConfig(**{k: v for k, v in config.items() if not k.startswith("lazy_")}))
+        base = source.transformer
+    else:
+        source, base = causal, causal.model
+    source.save_pretrained(tmp_path / "source")
+    (tmp_path / "source" / "config.json").write_text(causal.config.to_json_string())
+    head = auto_class.from_pretrained(tmp_path / "source", num_labels=3)
     assert type(head) is head_class and head.config._attn_implementation == "lazy"
-    for name, tensor in causal.model.state_dict().items():
-        assert torch.equal(head.model.state_dict()[name], tensor), name
+    assert head.base_model_prefix == source.base_model_prefix
+    for name, tensor in base.state_dict().items():
+        assert torch.equal(head.base_model.state_dict()[name], tensor), name
 
     ids, mask = left_padded([8, 5])
     head.train()
     out = head(ids, attention_mask=mask, **targets)
     assert torch.isfinite(out.loss)
     out.loss.backward()
-    assert head.model.layers[0].self_attn.tau.grad.abs().sum() > 0
-    assert head.model.layers[0].self_attn.distance_bias.grad.abs().sum() > 0
+    assert head.base_model.layers[0].self_attn.tau.grad.abs().sum() > 0
+    assert head.base_model.layers[0].self_attn.distance_bias.grad.abs().sum() > 0
 
     head.eval()
     head.save_pretrained(tmp_path / "head")
@@ -586,7 +597,8 @@ out = {}
 for auto in (AutoModelForSequenceClassification, AutoModelForTokenClassification, AutoModelForQuestionAnswering):
     model = auto.from_pretrained(path, trust_remote_code=True, num_labels=3).eval()
     assert type(model).__module__.startswith("transformers_modules."), type(model)
-    assert type(model.model).__name__ == "LazyLlamaModel" and type(model.model).__module__ == type(model).__module__
+    base = model.base_model
+    assert type(base).__name__ == "LazyLlamaModel" and type(base).__module__ == type(model).__module__
     out[type(model).__name__] = [t for t in model(ids).to_tuple() if isinstance(t, torch.Tensor)]
 torch.save(out, out_path)
 """
@@ -604,11 +616,13 @@ def test_task_heads_with_trust_remote_code_in_a_python_without_the_project(tmp_p
     assert result.returncode == 0, result.stdout + result.stderr
     out = torch.load(tmp_path / "out.pt")
     assert set(out) == {c.__name__ for _, c, _ in HEADS}
-    # the base model is the saved one: the heads' hidden states come from identical weights
+    # the base model is the saved one: the heads' hidden states come from identical weights (question answering
+    # keeps its base model under `transformer`, as Llama's does: a causal LM's weights are not its own)
     hidden = causal.model(ids).last_hidden_state
     for _, head_class, _ in HEADS:
         head = head_class.from_pretrained(tmp_path / "ckpt", num_labels=3).eval()
-        torch.testing.assert_close(head.model(ids).last_hidden_state, hidden)
+        if head.base_model_prefix == "model":
+            torch.testing.assert_close(head.model(ids).last_hidden_state, hidden)
         assert len(out[head_class.__name__]) == len(_tensors(head(ids).to_tuple()))
 
 
