@@ -43,6 +43,7 @@ from .lazy_attention_reference import DECODE_MAX_ROWS, LazyMetadata, _is_causal_
 from .lazy_attention_torch import (
     _parameter_fact,
     document_table,
+    forget_parameter_facts,
     left_padded_documents,
     left_padding,
     softmax_only,
@@ -584,4 +585,4 @@ def lazy_attention(query, key, value, tau, distance_bias, metadata: LazyMetadata
                                                  documents)[0]
 
 
-__all__ = ["BACKEND_ENV", "choose_kernel", "lazy_attention", "uses_triton"]
+__all__ = ["BACKEND_ENV", "choose_kernel", "forget_parameter_facts", "lazy_attention", "uses_triton"]

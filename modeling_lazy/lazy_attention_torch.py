@@ -16,6 +16,7 @@ import weakref
 
 import torch
 import torch.nn.functional as F
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from .lazy_attention_cpu import available as cpu_ops_available
 from .lazy_attention_cpu import lazy_decode_cpu, lazy_elastic_rows
@@ -503,9 +504,23 @@ _SPARSE_V_MAX_DENSITY = 0.25
 
 # Facts about tau and the distance bias that inference calls would otherwise recompute in every layer and step
 # (a reversed copy of the bias, whether it holds -inf, whether tau or the bias is all zero). Keyed by the
-# tensor's id (dropped with the tensor) and stamped with its storage and version counter, so an in-place update
-# (optimizer step, load_state_dict, fill_) or a new tensor is seen at once. Not used under torch.compile.
+# tensor's id (dropped with the tensor) and stamped with its storage, its version counter and the epoch below, so
+# an in-place update (load_state_dict, fill_, copy_) or a new tensor is seen at once. Not used under torch.compile.
 _PARAMETER_FACTS: dict[int, tuple[weakref.ref, dict]] = {}
+# Some updates leave the version counter where it was: a write through `.data`, and the fused optimizers (the
+# fused AdamW, transformers' default), which write parameters in place from C++. Every step of a torch.optim
+# optimizer therefore starts a new epoch (a hook on all of them), and `forget_parameter_facts` does by hand.
+_FACTS_EPOCH = [0]
+
+
+def forget_parameter_facts(*_) -> None:
+    """Forget every fact kept about tau and the distance bias: the next call recomputes them. Call it after writing
+    either through `.data`, which PyTorch's version counter does not see (a write under `torch.no_grad()` needs
+    nothing); every optimizer step calls it."""
+    _FACTS_EPOCH[0] += 1
+
+
+register_optimizer_step_post_hook(forget_parameter_facts)
 
 
 def _parameter_fact(tensor: torch.Tensor, what, build):
@@ -519,7 +534,7 @@ def _parameter_fact(tensor: torch.Tensor, what, build):
     entry = _PARAMETER_FACTS.get(key)
     if entry is None or entry[0]() is not tensor:
         entry = _PARAMETER_FACTS[key] = (weakref.ref(tensor, lambda _, key=key: _PARAMETER_FACTS.pop(key, None)), {})
-    stamp = (tensor.data_ptr(), tensor._version)
+    stamp = (tensor.data_ptr(), tensor._version, _FACTS_EPOCH[0])
     hit = entry[1].get(what)
     if hit is None or hit[0] != stamp:
         hit = entry[1][what] = (stamp, build())
@@ -781,4 +796,4 @@ def lazy_attention_torch(query, key, value, tau, distance_bias, metadata: LazyMe
     return lazy_attention(query, key, value, tau, distance_bias, metadata, scaling, backend="torch")
 
 
-__all__ = ["lazy_attention_torch", "softmax_only", "torch_backward", "torch_forward"]
+__all__ = ["forget_parameter_facts", "lazy_attention_torch", "softmax_only", "torch_backward", "torch_forward"]

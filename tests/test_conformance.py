@@ -547,8 +547,8 @@ def test_task_head_trains_saves_and_loads(auto_class, head_class, targets, tmp_p
     if head_class is LazyLlamaForQuestionAnswering:
         from transformers import LlamaForQuestionAnswering
 
-        config = causal.config.to_dict()
-        source = LlamaForQuestionAnswering(LlamaConfig(**{k: v for k, v in config.items() if not k.startswith("lazy_")}))
+        config = LlamaConfig(**{k: v for k, v in causal.config.to_dict().items() if not k.startswith("lazy_")})
+        source = LlamaForQuestionAnswering(config)
         base = source.transformer
     else:
         source, base = causal, causal.model

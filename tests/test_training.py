@@ -79,3 +79,46 @@ def test_trainer_bf16_keeps_tau_and_bias_float32_and_trains_every_entry(tmp_path
             assert param.dtype == torch.float32, name
             moved = param.detach() != start[name]
             assert moved.all(), f"{name}: {int(moved.sum())} of {moved.numel()} entries moved (seed {rng_seed})"
+
+
+def test_updates_the_version_counter_misses_reach_the_next_call(rng_seed):
+    """The facts kept about tau and the distance bias between calls (all zero: plain softmax; the decode's reversed
+    bias table) follow updates that leave PyTorch's version counter as it was: a fused AdamW step (transformers'
+    default optimizer) and, after `forget_parameter_facts()`, a write through `.data`. Checked against the float64
+    oracle after each, for a prefill and for cached decoding."""
+    from reference64 import lazy_llama_logits64
+
+    from modeling_lazy.lazy_attention_ops import forget_parameter_facts
+
+    model = tiny_model()
+    with torch.no_grad():
+        for layer in model.model.layers:  # a converted Llama: plain softmax until trained
+            layer.self_attn.tau.zero_()
+            layer.self_attn.distance_bias.zero_()
+    ids = torch.randint(3, 97, (2, 12))
+
+    def check(label):
+        with torch.no_grad():
+            full = model(ids).logits
+            assert (full.double() - lazy_llama_logits64(model, ids)).abs().max() < 1e-4, f"{label}, seed {rng_seed}"
+            out = model(ids[:, :-3], use_cache=True)  # the decode path's bias table
+            for t in range(ids.shape[1] - 3, ids.shape[1]):
+                out = model(ids[:, t:t + 1], cache=out.past_key_values, use_cache=True)
+                torch.testing.assert_close(out.logits[:, -1], full[:, t], atol=1e-4, rtol=1e-4, msg=label)
+
+    check("before training")
+    lazy = [p for name, p in model.named_parameters() if is_lazy_parameter(name)]
+    optimizer = torch.optim.AdamW(lazy, lr=0.5, fused=True)
+    model.train()
+    model(ids, labels=ids).loss.backward()
+    versions = [p._version for p in lazy]
+    optimizer.step()
+    assert [p._version for p in lazy] == versions  # unseen by the counter: the hook on optimizer steps sees it
+    model.eval()
+    assert all(p.abs().sum() > 0 for p in lazy)
+    check("after a fused AdamW step")
+    for layer in model.model.layers:
+        layer.self_attn.tau.data.fill_(-0.7)
+        layer.self_attn.distance_bias.data.normal_()
+    forget_parameter_facts()
+    check("after writes through .data")
