@@ -111,12 +111,8 @@ class LazyMetadata(NamedTuple):
         varlen kernels and TRL's padding-free collator give them); positions restart at 0 in each document unless
         `position_ids` `[1, total]` are given."""
         cu_seq_lens = cu_seq_lens.reshape(-1).long()
-        total = int(cu_seq_lens[-1])
         device = cu_seq_lens.device if device is None else device
-        if position_ids is None:
-            starts = torch.repeat_interleave(cu_seq_lens[:-1], cu_seq_lens.diff())
-            position_ids = (torch.arange(total, device=starts.device) - starts)[None]
-        return lazy_attention_metadata(None, position_ids, 0, total, 1, device, cu_seq_lens)
+        return lazy_attention_metadata(None, position_ids, 0, int(cu_seq_lens[-1]), 1, device, cu_seq_lens)
 
     @classmethod
     def from_seq_lens(cls, seq_lens: torch.Tensor, *, query_length: int = 1, key_length: int | None = None,
@@ -174,6 +170,26 @@ def _is_causal_layout(q_pos, k_pos, q_seg, k_seg, key_offset: int) -> bool:
     )
 
 
+def _checked_cu_seq_lens(cu_seq_lens: torch.Tensor, batch_size: int, key_length: int, device) -> torch.Tensor:
+    """`cu_seq_lens` as int64 on `device`, refused with one line unless it describes the row's tokens: one packed row
+    (a batch of 1, as padding-free collators give), from 0 to its `key_length` tokens, never decreasing."""
+    cu_seq_lens = cu_seq_lens.reshape(-1).to(device=device, dtype=torch.long)
+    if torch.compiler.is_compiling():
+        return cu_seq_lens  # no host sync in a graph; eager calls of the same layout were checked
+    problem = None
+    if batch_size != 1:
+        problem = f"they describe one packed row, but the batch has {batch_size} rows"
+    elif cu_seq_lens.numel() < 2 or int(cu_seq_lens[0]) != 0 or bool((cu_seq_lens.diff() < 0).any()):
+        problem = "they must start at 0 and never decrease"
+    elif int(cu_seq_lens[-1]) != key_length:
+        problem = f"they end at {int(cu_seq_lens[-1])}, but the row has {key_length} tokens"
+    if problem is not None:
+        shown = cu_seq_lens.tolist() if cu_seq_lens.numel() <= 8 else f"{cu_seq_lens[:8].tolist()[:-1]} ..."
+        raise ValueError(f"Invalid cu_seq_lens {shown}: {problem}. Pass the cumulative document lengths of the "
+                         "packed row (as DataCollatorWithFlattening gives them), or position_ids that restart at 0.")
+    return cu_seq_lens
+
+
 def lazy_attention_metadata(
     attention_mask: torch.Tensor | None,
     position_ids: torch.Tensor | None,
@@ -208,6 +224,11 @@ def lazy_attention_metadata(
     elif key_length != past_length + query_length:
         raise ValueError(f"key_length ({key_length}) must be past_length + query_length for an int past_length.")
     key_index = torch.arange(key_length, device=device)
+    if cu_seq_lens is not None:
+        cu_seq_lens = _checked_cu_seq_lens(cu_seq_lens, batch_size, key_length, device)
+        if position_ids is None and not static_buffer and past_length == 0:
+            # positions restart in each document, as `from_cu_seq_lens` gives them: n_i counts the document's keys
+            position_ids = (key_index - torch.repeat_interleave(cu_seq_lens[:-1], cu_seq_lens.diff()))[None]
     if attention_mask is not None:
         if attention_mask.dim() != 2 or attention_mask.shape[-1] != key_length:
             raise ValueError(
@@ -239,7 +260,7 @@ def lazy_attention_metadata(
 
     # Segments: packed documents are only meaningful without a cache (training / scoring).
     if cu_seq_lens is not None:
-        lengths = cu_seq_lens.diff().to(device)
+        lengths = cu_seq_lens.diff()
         seg = torch.repeat_interleave(torch.arange(lengths.numel(), device=device), lengths)
         seg = seg[:key_length].expand(batch_size, key_length)
     elif not static_buffer and past_length == 0 and position_ids is not None:

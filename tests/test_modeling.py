@@ -165,6 +165,22 @@ def test_packed_documents_equal_each_document_alone(rng_seed):
     pos = torch.cat([torch.arange(n) for n in lengths])[None]
     flat = model(torch.cat(docs, 1), position_ids=pos, cu_seq_lens_q=cu, cu_seq_lens_k=cu).logits
     assert (flat - alone).abs().max() < 1e-5
+    # and without position_ids they restart in each document, as the mask's do for padding (n_i per document)
+    flat = model(torch.cat(docs, 1), cu_seq_lens_q=cu, cu_seq_lens_k=cu).logits
+    assert (flat - alone).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("cu, message", [
+    ([0, 4, 10], "end at 10, but the row has 16"), ([0, 9, 4, 16], "never decrease"), ([0, 4, 13, 17], "end at 17"),
+    ([1, 4, 16], "start at 0")])
+def test_inconsistent_cu_seq_lens_are_refused_with_one_line(cu, message):
+    model = tiny_model()
+    ids = torch.randint(3, 97, (1, 16))
+    cu = torch.tensor(cu)
+    with pytest.raises(ValueError, match=message):
+        model(ids, cu_seq_lens_q=cu, cu_seq_lens_k=cu)
+    with pytest.raises(ValueError, match="one packed row, but the batch has 2 rows"):
+        model(ids.expand(2, -1), cu_seq_lens_q=torch.tensor([0, 16]), cu_seq_lens_k=torch.tensor([0, 16]))
 
 
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
