@@ -170,6 +170,19 @@ def _is_causal_layout(q_pos, k_pos, q_seg, k_seg, key_offset: int) -> bool:
     )
 
 
+def _given_position_shift(q_pos: torch.Tensor, q_mask_pos: torch.Tensor, q_valid: torch.Tensor | None) -> torch.Tensor:
+    """`[B, 1]`: what the given positions of this call's queries add to the mask's (`cumsum - 1`), at each row's first
+    real query (0 for a row without one). A cache keeps keys, not their positions: the cached real keys are taken to
+    run up to that query's position, so an offset the caller gave every call (`arange + c`, or `arange` over a
+    left-padded row, padding counted) reaches the cached keys' distances as a cache-free call of all the tokens
+    sees them."""
+    offset = q_pos - q_mask_pos
+    if q_valid is None:
+        return offset[:, :1]
+    first = q_valid.to(torch.int8).argmax(-1, keepdim=True)  # 0 when no query of the row is real
+    return offset.gather(1, first) * q_valid.any(-1, keepdim=True)
+
+
 def _checked_cu_seq_lens(cu_seq_lens: torch.Tensor, batch_size: int, key_length: int, device) -> torch.Tensor:
     """`cu_seq_lens` as int64 on `device`, refused with one line unless it describes the row's tokens: one packed row
     (a batch of 1, as padding-free collators give), from 0 to its `key_length` tokens, never decreasing."""
@@ -250,12 +263,21 @@ def lazy_attention_metadata(
         query_index = past_length + torch.arange(query_length, device=device)  # key index of every query
         written = (key_index < past_length + query_length).expand(batch_size, key_length)
         key_valid = written if key_valid is None else key_valid & written
-        q_pos = mask_pos.index_select(1, query_index) if position_ids is None else (
-            position_ids.to(device=device, dtype=torch.long).expand(batch_size, query_length))
+        q_mask_pos = mask_pos.index_select(1, query_index)
+        if position_ids is None:
+            q_pos = q_mask_pos
+        else:
+            q_pos = position_ids.to(device=device, dtype=torch.long).expand(batch_size, query_length)
+            mask_pos = mask_pos + _given_position_shift(q_pos, q_mask_pos, key_valid.index_select(1, query_index))
         k_pos = mask_pos.index_copy(1, query_index, q_pos)
     else:
-        q_pos = mask_pos[:, past_length:] if position_ids is None else (
-            position_ids.to(device=device, dtype=torch.long).expand(batch_size, query_length))
+        if position_ids is None:
+            q_pos = mask_pos[:, past_length:]
+        else:
+            q_pos = position_ids.to(device=device, dtype=torch.long).expand(batch_size, query_length)
+            if past_length > 0:
+                mask_pos = mask_pos + _given_position_shift(
+                    q_pos, mask_pos[:, past_length:], None if key_valid is None else key_valid[:, past_length:])
         k_pos = torch.cat([mask_pos[:, :past_length], q_pos], dim=1)
 
     # Segments: packed documents are only meaningful without a cache (training / scoring).

@@ -24,7 +24,7 @@ def tiny_config(**overrides) -> LazyLlamaConfig:
 def randomize_lazy(model, tau_scale: float = 1.0, bias_scale: float = 0.5, generator=None) -> None:
     """Give every layer tau of both signs and a visible distance bias (fresh random values each call)."""
     with torch.no_grad():
-        for layer in getattr(model, "model", model).layers:  # a head or causal LM, or the base model
+        for layer in model.base_model.layers:  # a head or causal LM, or the base model itself
             attn = layer.self_attn
             attn.tau.copy_((torch.rand(attn.tau.shape, generator=generator) * 2 - 1) * tau_scale * 2)
             attn.distance_bias.normal_(0.0, bias_scale, generator=generator)

@@ -76,9 +76,11 @@ def lazy_attention64(query, key, value, tau, distance_bias, q_pos, k_pos, q_seg,
     visible = (q_seg[:, :, None].long() == k_seg[:, None, :].long()) & (torch.arange(k_len)[None, :] <= q_index)
     visible = visible[:, None]  # [B, 1, Tq, Tk]
     scores = scores.masked_fill(~visible, -math.inf)
-    lse = torch.logsumexp(scores, -1, keepdim=True)
-    alive = ~torch.isneginf(lse)  # a finite (or NaN) normaliser; NaN flows on
-    probs = torch.exp(scores - torch.where(alive, lse, torch.zeros_like(lse)))
+    # a row with a finite (or NaN: it flows on) score has a normaliser; the others take it over zeros, so that
+    # logsumexp's backward (exp(s - lse) of -inf - -inf) puts no NaN into their gradients
+    alive = (~torch.isneginf(scores)).any(-1, keepdim=True)
+    lse = torch.logsumexp(torch.where(alive, scores, torch.zeros((), dtype=torch.float64)), -1, keepdim=True)
+    probs = torch.exp(scores - lse)
     n = (q_pos + 1).double()[:, None, :, None]
     weights = torch.where(visible & alive, torch.relu(probs + tau.double()[None, :, None, None] / n), 0.0)
     return weights @ v, weights

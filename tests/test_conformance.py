@@ -67,6 +67,54 @@ def _chunked_logits(model, ids, mask, cache, chunks, pad_mask_to=None):
     return torch.cat(logits, 1)
 
 
+@pytest.mark.parametrize("layout", ["offset, no mask", "arange over left padding", "mask positions + offset"])
+@pytest.mark.parametrize("cache_class", [DynamicCache, StaticCache])
+@torch.no_grad()
+def test_given_positions_reach_the_cached_keys(layout, cache_class, rng_seed):
+    """position_ids the caller gives every call (not the mask's `cumsum - 1`) set the cached keys' distances too:
+    prefill then single- and multi-token steps through a cache give the logits of one cache-free call of all the
+    tokens, as for Llama (whose cached keys carry their rotary positions), on a model whose tau and bias matter."""
+    model = tiny_model()
+    ids, mask = left_padded([13, 9])
+    if layout == "offset, no mask":
+        mask = None
+        positions = torch.arange(13)[None].expand(2, -1) + torch.tensor([[3], [11]])
+    elif layout == "arange over left padding":  # what code written for Llama passes: the padding counted
+        positions = torch.arange(13)[None].expand(2, -1)
+    else:
+        positions = (mask.cumsum(-1) - 1).clamp(min=0) + 5
+    full = model(ids, attention_mask=mask, position_ids=positions).logits
+    cache = DynamicCache(config=model.config) if cache_class is DynamicCache else StaticCache(
+        config=model.config, max_cache_len=16)
+    logits, start = [], 0
+    for size in (7, 1, 3, 1, 1):
+        stop = start + size
+        out = model(ids[:, start:stop], attention_mask=None if mask is None else mask[:, :stop],
+                    position_ids=positions[:, start:stop], cache=cache, use_cache=True)
+        logits.append(out.logits)
+        start = stop
+    valid = torch.ones_like(ids, dtype=torch.bool) if mask is None else mask.bool()
+    assert (torch.cat(logits, 1) - full)[valid].abs().max() < 1e-5, f"seed {rng_seed}"
+
+
+def test_given_positions_reach_the_cached_keys_of_a_static_buffer(rng_seed):
+    """The compiled static cache's metadata (the written length a tensor, keys over the whole buffer) gives the
+    cached keys the positions an eager call gives them, when the call's positions are given."""
+    from modeling_lazy.lazy_attention_reference import lazy_attention_metadata
+
+    ids, mask = left_padded([10, 7])
+    positions = torch.arange(10)[None].expand(2, -1) + torch.randint(0, 50, (2, 1))
+    past, q_len, buffer = 8, 2, 16
+    eager = lazy_attention_metadata(mask, positions[:, past:], past, q_len, 2, torch.device("cpu"))
+    buffer_mask = torch.nn.functional.pad(mask, (0, buffer - past - q_len))
+    static = lazy_attention_metadata(buffer_mask, positions[:, past:], torch.tensor(past), q_len, 2,
+                                     torch.device("cpu"), key_length=buffer)
+    written = mask.bool()
+    assert torch.equal(static.q_pos, eager.q_pos)
+    assert torch.equal(static.k_pos[:, :past + q_len][written], eager.k_pos[written])
+    assert torch.equal(eager.k_pos[written], positions[written]), f"seed {rng_seed}"
+
+
 @pytest.mark.parametrize("implementation", ["lazy", "eager"])
 def test_static_cache_logits_equal_dynamic_cache(implementation, rng_seed):
     """Prefill, single-token and multi-token steps through a StaticCache (which hands every layer its whole
