@@ -639,9 +639,10 @@ def _causal_backward(grad_out, query, key, value, dq, dk, dv, tau, distance_bias
     # per tile height: dq's query tiles and dk/dv's key tiles share one when their heights agree
     work_lists = {} if work_lists is None else work_lists
 
-    def grid(block):  # (work list, grid) of `block`-row tiles: B * Hq rows of tiles, or the documents' tiles
+    def grid(block, length=q_len):  # (work list, grid) of `block`-row tiles of `length` rows (the queries, or for
+        # dk/dv the keys, cached ones included) per (batch row, head), or the documents' tiles
         if documents is None:
-            return lse, (triton.cdiv(q_len, block), bsz * num_heads)
+            return lse, (triton.cdiv(length, block), bsz * num_heads)
         name = ("backward", block, bsz * q_len)  # the documents' tiles only
         if name not in work_lists:
             work_lists[name] = _varlen_tiles(documents[:, 2].clamp(min=0), bsz * q_len, block)
@@ -650,9 +651,9 @@ def _causal_backward(grad_out, query, key, value, dq, dk, dv, tau, distance_bias
     dkdv_kind = "causal_dkdv" if documents is None else "causal_dkdv_documents"
     band, pad = _causal_band(distance_bias, scaling, block_d, query.device)  # the forward's, kept with distance_bias
 
-    def launch(kernel, kind, rows_per_program, **arguments):  # each kernel its own view of the band and work list
+    def launch(kernel, kind, rows_per_program, length, **arguments):  # each kernel its own band view and work list
         block_m, block_n, num_warps, num_stages = _launch_config(kind, block_d, query.device)
-        work, programs = grid(rows_per_program(block_m, block_n))
+        work, programs = grid(rows_per_program(block_m, block_n), length)
         wrap_triton(kernel)[programs](**common, **arguments,
                                       BAND=_band_from(band, pad, block_m, block_n),
                                       BAND_LEN=band.stride(1),
@@ -680,11 +681,11 @@ def _causal_backward(grad_out, query, key, value, dq, dk, dv, tau, distance_bias
     dq_programs = grid(dq_rows)[1][0]  # one private d distance_bias row per (program, head) of the dq kernel
     dbias_part = torch.zeros(bsz if documents is None else 1, num_heads, dq_programs, window, dtype=torch.float32,
                              device=query.device)
-    launch(_lazy_causal_bwd_dq_kernel, "causal_dq", lambda block_m, block_n: block_m, TAU=tau32, QPOS=q_pos,
-           QSEG=q_seg, LSE=lse, DELTA=delta, DQ=dq,
-           DBIAS_PART=dbias_part, scaling=scaling)
-    launch(_lazy_causal_bwd_dkdv_kernel, dkdv_kind, lambda block_m, block_n: block_n, LSE=lse_rows, DELTA=delta,
-           THR=thresholds, T_ROWS=t_rows, DK=dk_out, DV=dv_out, **_strides("dk", dk_out), scaling=scaling)
+    launch(_lazy_causal_bwd_dq_kernel, "causal_dq", lambda block_m, block_n: block_m, q_len, TAU=tau32, QPOS=q_pos,
+           QSEG=q_seg, LSE=lse, DELTA=delta, DQ=dq, DBIAS_PART=dbias_part, scaling=scaling)
+    launch(_lazy_causal_bwd_dkdv_kernel, dkdv_kind, lambda block_m, block_n: block_n, k_len, LSE=lse_rows,
+           DELTA=delta, THR=thresholds, T_ROWS=t_rows, DK=dk_out, DV=dv_out, **_strides("dk", dk_out),
+           scaling=scaling)
     if groups > 1:
         dk.copy_(dk_out.view(bsz, kv_heads, groups, k_len, dim).sum(2))
         dv.copy_(dv_out.view(bsz, kv_heads, groups, k_len, dim).sum(2))

@@ -272,6 +272,8 @@ CAUSAL_CASES = {  # (dtype, batch, heads, kv_heads, q_len, k_len, head_dim, wind
     "window-long-gqa2-fp16": (torch.float16, 2, 4, 2, 90, 90, 64, 128, TAU_MIXED[:4], "sm90"),
     "gqa3-d128-odd-fp32": (torch.float32, 1, 3, 1, 77, 77, 128, 20, TAU_MIXED[:3], "sm90"),
     "after-cache-d128-bf16": (torch.bfloat16, 2, 2, 1, 40, 100, 128, 24, TAU_MIXED[:2], "sm90"),
+    # more key tiles than query tiles: every key tile, cached keys included, gets its dk and dv
+    "after-long-cache-fp32": (torch.float32, 1, 2, 1, 40, 150, 64, 24, [-1.0, 0.4], "sm90"),
     "sm80-blocks-odd-fp32": (torch.float32, 1, 2, 1, 157, 157, 64, 40, [-1.0, 0.4], "sm80"),
     "sm80-blocks-d128-window-long-fp32": (torch.float32, 1, 2, 1, 150, 150, 128, 100, [0.3, -1.0], "sm80"),
 }
