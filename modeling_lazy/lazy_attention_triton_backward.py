@@ -37,6 +37,7 @@ from .lazy_attention_triton_common import (
     _launch_config,
     _load_keys,
     _load_rows,
+    _recomputed_weight,
     _row_threshold,
     _scores,
     _strides,
@@ -111,7 +112,7 @@ def _lazy_bwd_delta_kernel(Q, K, V, TAU, BIAS, QPOS, KPOS, QSEG, KSEG, LSE, DO, 
         if tl.max(visible.to(tl.int32)) > 0:
             k = _load_rows(K_, stride_kt, keys, offs_d, Tk, D)
             s = _scores(q, k, KPOS + b * Tk, BIAS + h * W, q_pos, visible, keys, Tk, W, scaling, UPCAST, PRECISION)
-            p = tl.exp(s - lse[:, None])
+            p = _recomputed_weight(s, lse[:, None])
             alive = visible & (p + threshold[:, None] > 0.0)
             if tl.max(alive.to(tl.int32)) > 0:  # all-dead tile: m dP = 0, no V read
                 v = _load_rows(V_, stride_vt, keys, offs_d, Tk, D)
@@ -150,7 +151,7 @@ def _lazy_bwd_dq_kernel(Q, K, V, TAU, BIAS, QPOS, KPOS, QSEG, KSEG, LSE, DO, DEL
         if tl.max(visible.to(tl.int32)) > 0:
             k = _load_rows(K_, stride_kt, keys, offs_d, Tk, D)
             s = _scores(q, k, KPOS + b * Tk, BIAS + h * W, q_pos, visible, keys, Tk, W, scaling, UPCAST, PRECISION)
-            p = tl.exp(s - lse[:, None])
+            p = _recomputed_weight(s, lse[:, None])
             alive = visible & (p + threshold[:, None] > 0.0)
             if tl.max(alive.to(tl.int32)) > 0:
                 v = _load_rows(V_, stride_vt, keys, offs_d, Tk, D)
@@ -219,7 +220,7 @@ def _lazy_bwd_dkdv_kernel(Q, K, V, TAU, BIAS, QPOS, KPOS, QSEG, KSEG, LSE, DELTA
                 dist = q_pos[:, None] - k_pos[None, :]
                 in_window = visible & (dist >= 0) & (dist < W)
                 s += tl.load(bias_row + dist, mask=in_window, other=0.0)
-                p = tl.where(visible, tl.exp(s - lse[:, None]), 0.0)
+                p = tl.where(visible, _recomputed_weight(s, lse[:, None]), 0.0)
                 a = tl.where(visible, tl.maximum(p + _row_threshold(threshold_h, q_pos, lse)[:, None], 0.0),
                              0.0)
                 do = tl.load(DO + b * stride_dob + h * stride_doh + rows[:, None] * stride_dot + offs_d[None, :],

@@ -312,6 +312,14 @@ def _scores(q, k, KPOS, bias_row, q_pos, visible, keys, Tk, W, scaling,
 
 
 @triton.jit
+def _recomputed_weight(s, lse):
+    """The general backward's `p = exp(s - LSE)`, at most 1 as a softmax weight is. Its tiles differ from the
+    forward's, so a score can come back an ulp off the one the forward summed: a lone visible key (a first token,
+    p = 1 exactly there) would read p = 1 + ulp, and at tau = -1 its weight max(0, p - 1), 0 in the forward, alive."""
+    return tl.minimum(tl.exp(s - lse), 1.0)
+
+
+@triton.jit
 def _row_threshold(tau_h, q_pos, lse):
     """`tau_h / n_i` in float32 for a row with a normaliser; -1e30 (every weight 0) for a dead row."""
     return tl.where(lse < 1.0e38, tau_h / (q_pos + 1).to(tl.float32), -1.0e30)

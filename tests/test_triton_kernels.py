@@ -240,6 +240,29 @@ def general_kernels_skip_dead_value_tiles(kernels):
     return {"seed": seed, **errors}
 
 
+def lone_key_rows_at_tau_minus_one(kernels):
+    """A row that sees one key (a first token, a one-token document) has p = 1 exactly, so at tau = -1 its weight
+    max(0, p - 1) is 0 and it adds nothing to d tau, although it carries the largest 1 / n. The backward recomputes
+    scores in other tiles than the forward: it must not bring that weight back to life. Training calls of <= 16
+    rows (the causal layout's packed-decode forward, and packed documents on the general kernels) and of more rows
+    (the causal fast path, documents), many fresh seeds each (a recomputed score an ulp above the forward's is a
+    matter of the inputs), d tau and the other gradients against the float64 oracle."""
+    def documents(lengths):  # restarting positions, one segment per document (the layout the model finds)
+        q_pos, k_pos, q_seg, k_seg = metadata(1, sum(lengths), sum(lengths), docs=lengths)
+        return (q_pos, k_pos, q_seg, k_seg), False
+
+    layouts = {"causal, 2 rows": (metadata(1, 2, 2), True), "causal, 40 rows": (metadata(1, 40, 40), True),
+               "documents of 1-3 tokens": documents([1, 3, 1, 2, 1, 1]), "documents, 40 rows": documents([1, 30, 1, 8])}
+    first_seed, errors = int(torch.randint(0, 2**31 - 1000, ())), {}
+    for name, (meta, causal) in layouts.items():
+        worst, q_len = 0.0, meta[0].shape[1]
+        for seed in range(first_seed, first_seed + 12):
+            inputs = make_inputs(1, 2, 1, q_len, q_len, 32, 8, torch.float32, [-1.0, -1.0], seed=seed)
+            worst = max(worst, *check(kernels, inputs, meta, torch.float32, causal=causal).values())
+        errors[name] = worst
+    return {"first seed": first_seed, **errors}
+
+
 def dead_rows_and_longer_key_buffer(kernels):
     """Rows whose visible scores are all -inf give 0 (never NaN) with both tau signs, and a key buffer longer than
     the metadata (a static cache) reads only the keys the call attends to; compared with the project's reference."""
@@ -1418,6 +1441,7 @@ CASES = {
     "split-k-decode": split_k_decode_matches,
     "general-kernels-skip-dead-value-tiles": general_kernels_skip_dead_value_tiles,
     "dead-rows-and-longer-key-buffer": dead_rows_and_longer_key_buffer,
+    "lone-key-rows-at-tau-minus-one": lone_key_rows_at_tau_minus_one,
     "causal-fast-path": causal_fast_path,
     "causal-forward-stores-u": causal_forward_stores_u,
     "causal-fast-path-minus-inf-bias": causal_fast_path_minus_inf_bias,
