@@ -25,9 +25,11 @@ SIGKILL can leave the temporary folder: the next run into the same OUT removes i
 
 import contextlib
 import errno
+import functools
 import json
 import math
 import os
+import pickle
 import re
 import shutil
 import sys
@@ -50,7 +52,7 @@ from conversion.checkpoint_files import (
     WEIGHTS_INDEX,
 )
 from conversion.model_card import write_model_card
-from lazy_llama_tools.cli import DEFAULT_BIAS_WINDOW, VERIFY_TOLERANCE, convert_parser
+from lazy_llama_tools.cli import DEFAULT_BIAS_WINDOW, SEED_LIMIT, VERIFY_TOLERANCE, convert_parser, parse_size
 from lazy_llama_tools.folders import (
     FolderBusy,
     deferred_signals,
@@ -119,19 +121,34 @@ def check_llama_config(config: dict) -> None:
         )
     layer_types = config.get("layer_types") or []
     if any(kind != "full_attention" for kind in layer_types):
-        raise ConversionError(f"unsupported layer_types {sorted(set(layer_types))}: only 'full_attention' layers.")
-    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+        raise ConversionError(f"unsupported layer_types {sorted(set(map(str, layer_types)))}: only 'full_attention' "
+                              "layers.")
+    rope_field = "rope_parameters" if config.get("rope_parameters") else "rope_scaling"
+    rope = config.get(rope_field) or {}
+    _check_object(rope, rope_field)
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ConversionError(
             f"unsupported RoPE type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}."
         )
+    theta = rope.get("rope_theta", config.get("rope_theta"))
+    number = isinstance(theta, (int, float)) and not isinstance(theta, bool)
+    if theta is not None and not (number and math.isfinite(theta) and theta > 0):
+        raise ConversionError(f"invalid configuration: rope_theta must be a positive number, got {theta!r}.")
     quant = config.get("quantization_config")
+    _check_object(quant, "quantization_config")
     if quant and quant.get("quant_method") != "gguf":  # a folder rebuilt from GGUF holds plain weights
         raise ConversionError(
             f"unsupported: quantized checkpoint (quant_method {quant.get('quant_method')!r}); "
             "convert the unquantized weights."
         )
+
+
+def _check_object(value, name: str) -> None:
+    """Refuse a config field that must be a JSON object (or absent) but is something else."""
+    if value is not None and not isinstance(value, dict):
+        raise ConversionError(f"invalid configuration: {name} must be a JSON object, got a {type(value).__name__} "
+                              f"({value!r:.60}).")
 
 
 def build_lazy_config(
@@ -155,7 +172,7 @@ def build_lazy_config(
     )
     try:
         config = LazyLlamaConfig.from_dict(fields)
-    except (ValueError, TypeError, StrictDataclassError) as error:
+    except (ValueError, TypeError, KeyError, StrictDataclassError) as error:
         raise ConversionError(f"invalid configuration: {_one_line(error)}") from error
     limit = config.max_position_embeddings
     if bias_window > limit:
@@ -168,7 +185,8 @@ def build_lazy_config(
 
 
 def _one_line(error: Exception) -> str:
-    return " ".join(str(error).split())
+    text = error.args[0] if isinstance(error, KeyError) and error.args else error  # str(KeyError) adds quotes
+    return " ".join(str(text).split())
 
 
 def _is_gguf(source: Path) -> bool:
@@ -191,9 +209,14 @@ def read_source_config(source: Path) -> dict:
     if not path.is_file():
         raise ConversionError(f"{source} has no {CONFIG_FILE}: is it a Hugging Face model folder?")
     try:
-        return json.loads(path.read_text())
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError:
+        raise ConversionError(f"{path} is not UTF-8 text: is it a Hugging Face config.json?") from None
     except json.JSONDecodeError as error:
         raise ConversionError(f"{path} is not valid JSON: {error}") from error
+    if not isinstance(config, dict):
+        raise ConversionError(f"{path} must hold a JSON object of model settings, got {json.dumps(config)[:40]}.")
+    return config
 
 
 def source_weight_files(source: Path) -> tuple[str, list[Path]]:
@@ -213,6 +236,12 @@ def source_weight_files(source: Path) -> tuple[str, list[Path]]:
                     f"names, got a {type(weight_map).__name__}."
                 )
             files = sorted(set(weight_map.values()))
+            outside = [name for name in files if Path(name).is_absolute() or ".." in Path(name).parts]
+            if outside:
+                raise ConversionError(
+                    f"{source / index} names weight files outside {source} ({', '.join(outside[:3])}): an index may "
+                    "only name files in its own folder; refusing to read them."
+                )
             missing = [name for name in files if not (source / name).is_file()]
             if missing:
                 raise ConversionError(f"shard(s) listed in {index} are missing from {source}: {', '.join(missing)}")
@@ -264,6 +293,13 @@ def _iter_file(path: Path, kind: str) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, state.pop(name)
     except ConversionError:
         raise
+    except pickle.UnpicklingError as error:  # torch.load(weights_only=True) met something it will not unpickle
+        named = re.search(r"GLOBAL (\S+)", str(error))
+        what = f" ({named[1]})" if named else ""
+        raise ConversionError(
+            f"{path.name} holds objects other than tensors{what}, so it cannot be read safely: convert it to "
+            "safetensors with a tool you trust, or use a safetensors copy of the model."
+        ) from None
     except Exception as error:  # truncated or corrupt file
         raise ConversionError(f"cannot read {path.name}: {type(error).__name__}: {error}") from error
 
@@ -280,24 +316,6 @@ def _canonical_name(name: str) -> str | None:
 # ----------------------------------------------------------------------------------------------------------
 # Output: shards written one at a time
 # ----------------------------------------------------------------------------------------------------------
-
-
-def parse_size(size: str | int) -> int:
-    """Bytes in "5GB", "500MB", "64KiB" or a plain integer."""
-    if isinstance(size, int):
-        return size
-    text = size.strip().upper()
-    units = {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "KB": 10**3, "MB": 10**6, "GB": 10**9, "B": 1}
-    for unit, factor in units.items():
-        if text.endswith(unit):
-            try:
-                return int(float(text[: -len(unit)]) * factor)
-            except ValueError:
-                break
-    try:
-        return int(text)
-    except ValueError:
-        raise ConversionError(f"cannot parse size {size!r}: use e.g. 2GB, 500MB or a number of bytes.") from None
 
 
 class ShardWriter:
@@ -380,8 +398,12 @@ class ConversionPlan:
 
 def _expected_shapes(config: LazyLlamaConfig) -> dict[str, tuple[int, ...]]:
     """Name -> shape of every tensor a checkpoint of this config holds (tied `lm_head.weight` left out)."""
-    with torch.device("meta"):
-        model = LazyLlamaForCausalLM(config)
+    try:
+        with torch.device("meta"):
+            model = LazyLlamaForCausalLM(config)
+    except (ValueError, TypeError, KeyError, ZeroDivisionError, AssertionError) as error:  # values the config lets by
+        raise ConversionError(f"invalid configuration: the model cannot be built from it ({type(error).__name__}: "
+                              f"{_one_line(error)}).") from error
     shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
     if config.tie_word_embeddings:
         shapes.pop("lm_head.weight", None)
@@ -623,9 +645,12 @@ def convert(
     source, output = Path(source).expanduser().resolve(), Path(output).expanduser().resolve()
     if not (isinstance(verify_tolerance, (int, float)) and math.isfinite(verify_tolerance) and verify_tolerance >= 0):
         raise ConversionError(f"the verification tolerance must be a finite number >= 0, got {verify_tolerance!r}.")
-    max_bytes = parse_size(max_shard_size)
-    if max_bytes <= 0:
-        raise ConversionError(f"--max-shard-size must be positive, got {max_shard_size!r}.")
+    try:
+        max_bytes = parse_size(max_shard_size)
+    except ValueError as error:
+        raise ConversionError(f"--max-shard-size: {error}") from None
+    if not (isinstance(seed, int) and 0 <= seed < SEED_LIMIT):
+        raise ConversionError(f"--seed must be a whole number from 0 to {SEED_LIMIT - 1}, got {seed!r}.")
     plan = plan_conversion(source, output, tau_init=tau_init, bias_window=bias_window, bias_init_std=bias_init_std,
                            dtype=dtype)
     _check_output_path(output)
@@ -662,7 +687,7 @@ def convert(
                     raise ConversionError(
                         f"verification failed: max abs logit difference {diff:.3e} > tolerance {verify_tolerance:.1e}."
                     )
-            _make_shareable(tmp)
+            make_shareable(tmp)
             with deferred_signals():  # an interrupt waits until OUT is the old or the new folder, and we know which
                 if not publish_folder(tmp, output, replace=overwrite):
                     raise ConversionError(f"{output} was filled by someone else during the conversion: nothing "
@@ -683,7 +708,7 @@ def convert(
     return summary
 
 
-def _make_shareable(folder: Path) -> None:
+def make_shareable(folder: Path) -> None:
     """mkdtemp and safetensors create owner-only files: give them the modes the umask allows."""
     umask = os.umask(0)
     os.umask(umask)
@@ -787,6 +812,7 @@ def run(args) -> int:
                 seed=args.seed,
                 base_model=args.base_model,
                 license=args.license,
+                log=functools.partial(print, file=sys.stderr),  # progress on stderr; stdout is for results
             )
     except ConversionError as error:
         print(f"lazy-convert: error: {error}", file=sys.stderr)

@@ -10,6 +10,7 @@ import json
 import re
 from pathlib import Path
 
+import yaml
 from huggingface_hub import ModelCard, ModelCardData
 
 from conversion.checkpoint_files import CARD_FILE, CONFIG_FILE, SETTINGS_FILE, STATS_FILE
@@ -32,26 +33,37 @@ def _format(value) -> str:
     return f"{value:.4f}" if isinstance(value, float) else f"`{value}`" if isinstance(value, str) else str(value)
 
 
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _layer_mean(value) -> float | None:
+    """A per-layer figure: a number, or the mean of a non-empty list of per-head numbers (None for anything else)."""
+    if _is_number(value):
+        return float(value)
+    if isinstance(value, list) and value and all(_is_number(item) for item in value):
+        return sum(value) / len(value)
+    return None
+
+
 def _statistics_lines(stats: dict) -> list[str]:
     """Markdown for attention statistics: `attention_statistics()` output (`mean` + per-layer `layers`), or a
-    flat dict of figures."""
+    flat dict of figures. Only numbers are shown."""
     mean = stats.get("mean", stats)
-    figures = [key for key in _FIGURES if key in mean] + [
-        key for key in mean
-        if key not in _FIGURES and isinstance(mean[key], (int, float)) and not isinstance(mean[key], bool)
-    ]
+    figures = [key for key in mean if _is_number(mean[key])]
+    figures = [key for key in _FIGURES if key in figures] + [key for key in figures if key not in _FIGURES]
     lines = ["", "## Measured attention statistics", "", "| measure | value |", "|---|---|"]
     lines += [f"| {_FIGURES.get(key, key)} | {_format(mean[key])} |" for key in figures]
     layers = stats.get("layers")
     if isinstance(layers, list) and layers and all(isinstance(layer, dict) for layer in layers):
-        shown = [key for key in ("sparsity", "sink") if all(key in layer for layer in layers)]
+        shown = [key for key in ("sparsity", "sink")
+                 if all(_layer_mean(layer.get(key)) is not None for layer in layers)]
         if shown:
             lines += ["", "Per layer (mean over heads):", "", "| layer | " + " | ".join(shown) + " |",
                       "|---|" + "---|" * len(shown)]
             for index, layer in enumerate(layers):
-                cells = [sum(layer[key]) / len(layer[key]) if isinstance(layer[key], list) else layer[key]
-                         for key in shown]
-                lines.append(f"| {layer.get('layer', index)} | " + " | ".join(_format(float(c)) for c in cells) + " |")
+                cells = [_format(_layer_mean(layer[key])) for key in shown]
+                lines.append(f"| {layer.get('layer', index)} | " + " | ".join(cells) + " |")
     if "source" in stats:
         lines += ["", f"Measured on: {stats['source']}."]
     return lines
@@ -156,24 +168,55 @@ def load_statistics(path: str | Path) -> dict:
     of figures, or a `lazy-inspect` report (its model's natural-text figures are used)."""
     path = Path(path)
     try:
-        stats = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as error:
+        stats = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as error:  # missing, not UTF-8, not JSON
         raise ValueError(f"cannot read attention statistics from {path}: {error}") from error
     if isinstance(stats, dict) and isinstance(stats.get("model"), dict):  # lazy-inspect report.json
         text_file = (stats.get("input") or {}).get("text_file")
         stats = dict(stats["model"].get("text") or {})
         if text_file:
             stats["source"] = text_file
-    if not isinstance(stats, dict) or not stats:
-        raise ValueError(f"{path} holds no attention statistics (expected a JSON object with figures or `mean`).")
+    mean = stats.get("mean", stats) if isinstance(stats, dict) else None
+    if not isinstance(mean, dict) or not any(_is_number(value) for value in mean.values()):
+        raise ValueError(f"{path} holds no attention statistics (expected a JSON object with figures or `mean`, "
+                         'e.g. {"sparsity": 0.4}).')
     return stats
+
+
+def _read_card(path: Path) -> ModelCard:
+    """`path` as a model card; ValueError naming what is wrong with it."""
+    try:
+        return ModelCard.load(path)
+    except UnicodeDecodeError:
+        raise ValueError(f"{path.name} is not UTF-8 text: save it as UTF-8 or remove it.") from None
+    except yaml.YAMLError as error:
+        where = f" at line {error.problem_mark.line + 2}" if getattr(error, "problem_mark", None) else ""
+        problem = getattr(error, "problem", None) or " ".join(str(error).split())
+        raise ValueError(f"{path.name} has broken YAML metadata{where} ({problem}): fix the block between the "
+                         "--- lines or remove it.") from None
+    except ValueError as error:  # metadata that is not a mapping
+        raise ValueError(f"{path.name} has unusable metadata ({error}): fix the block between the --- lines or "
+                         "remove it.") from None
+
+
+def _read_settings(path: Path) -> dict | None:
+    """The conversion settings in `path` (None if there is no such file); ValueError naming what is wrong."""
+    if not path.is_file():
+        return None
+    try:
+        settings = json.loads(path.read_text(encoding="utf-8"))
+    except ValueError as error:  # not UTF-8, not JSON
+        raise ValueError(f"{path.name} is not valid JSON ({error}): convert again or remove it.") from None
+    if not isinstance(settings, dict):
+        raise ValueError(f"{path.name} must hold a JSON object of conversion settings: convert again or remove it.")
+    return settings
 
 
 def card_for_push(folder: str | Path, repo_id: str, stats: dict | None = None) -> ModelCard:
     """The card `lazy-push` uploads to `repo_id` (see the module docstring). Reads `folder/README.md` (if any),
     `folder/lazy_conversion.json` and, unless `stats` is given, `folder/attention_stats.json`."""
     folder = Path(folder)
-    existing = ModelCard.load(folder / CARD_FILE) if (folder / CARD_FILE).is_file() else None
+    existing = _read_card(folder / CARD_FILE) if (folder / CARD_FILE).is_file() else None
     if stats is None and (folder / STATS_FILE).is_file():
         stats = load_statistics(folder / STATS_FILE)
     if existing is not None and GENERATED_MARKER not in existing.text:
@@ -183,8 +226,7 @@ def card_for_push(folder: str | Path, repo_id: str, stats: dict | None = None) -
         data.pipeline_tag = data.pipeline_tag or "text-generation"
         data.tags = list(dict.fromkeys(list(data.tags or []) + TAGS))
         return existing
-    settings_path = folder / SETTINGS_FILE
-    conversion = json.loads(settings_path.read_text()) if settings_path.is_file() else None
+    conversion = _read_settings(folder / SETTINGS_FILE)
     if conversion:
         conversion = {key: value for key, value in conversion.items() if key != "source"}  # a local path
     previous = existing.data if existing is not None else ModelCardData()

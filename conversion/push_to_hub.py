@@ -7,14 +7,15 @@ python -m conversion.push_to_hub DIR REPO_ID ...
 ```
 
 Order of work, so that a failure loses nothing: check the folder (config, every weight shard's header and
-size, code files, the full `auto_map`) and find a token before any request; then create the repository if
-needed and upload the model's files (weights, config, code, tokenizer, generation config, conversion settings,
-plus `--include` patterns) and a model card (see `conversion.model_card.card_for_push`) in a single commit.
-Anything else in the folder (an `.env`, training checkpoints, optimizer state) stays local. The local folder
-is only read. Every request gives up after `--timeout` seconds without an answer; time-outs, lost connections,
-429 and 502/503/504 answers are retried `--retries` times with a growing pause. A commit is atomic on the Hub,
-so after any failure (or Ctrl-C) the same command can simply be run again; files that are already there
-unchanged are not uploaded twice.
+size, code files, the full `auto_map`, the files the card is made from) and find a token before any request;
+then create the repository if needed and upload the model's files (weights, config, code, tokenizer,
+generation config, conversion settings, plus `--include` patterns) and a model card (see
+`conversion.model_card.card_for_push`) in a single commit. Anything else in the folder (an `.env`, training
+checkpoints, optimizer state) stays local. The local folder is only read. Every request gives up after
+`--timeout` seconds without an answer, or when its answer has not arrived whole `--timeout` seconds after it was
+sent (a server that trickles its answer); time-outs, lost connections, 429 and 502/503/504 answers are retried
+`--retries` times with a growing pause. A commit is atomic on the Hub, so after any failure (or Ctrl-C) the
+same command can simply be run again; files that are already there unchanged are not uploaded twice.
 """
 
 import ast
@@ -45,10 +46,12 @@ from conversion.model_card import card_for_push, load_statistics
 from lazy_llama_tools.cli import PUSH_COMMIT_MESSAGE, PUSH_RETRIES, PUSH_TIMEOUT, push_parser
 from modeling_lazy.modeling_lazy import LAZY_PARAMETER_NAMES
 
-try:  # the HTTP client huggingface_hub uses (httpx2 in huggingface_hub >= 2, httpx before)
+try:  # the HTTP client huggingface_hub uses (httpx2 in huggingface_hub >= 2, httpx before) and its connections
+    import httpcore2 as httpcore
     from httpx2 import Timeout as HTTPTimeout
     from httpx2 import TimeoutException, TransportError
 except ImportError:
+    import httpcore
     from httpx import Timeout as HTTPTimeout
     from httpx import TimeoutException, TransportError
 
@@ -87,9 +90,24 @@ def _defines_class(path: Path, name: str) -> bool:
     return any(isinstance(node, ast.ClassDef) and node.name == name for node in tree.body)
 
 
+def _unreadable_code(path: Path, error: Exception, problems: list[str]) -> None:
+    """Report a code file that is not UTF-8 Python (once, though several `auto_map` entries may name it)."""
+    if isinstance(error, SyntaxError):
+        what = f"has a syntax error (line {error.lineno}: {error.msg}), so the model code cannot be loaded"
+    else:
+        what = "is not UTF-8 text"
+    problem = f"{path.name} {what}: copy the code files again (save_pretrained or the converter writes them)."
+    if problem not in problems:
+        problems.append(problem)
+
+
 def _check_code(folder: Path, config: dict, problems: list[str]) -> list[str]:
     """Check the `auto_map` and the code files it needs; return those files."""
     auto_map = config.get("auto_map") or {}
+    if not isinstance(auto_map, dict):
+        problems.append(f"{CONFIG_FILE} `auto_map` must be a JSON object (Auto class -> 'module.ClassName'), got a "
+                        f"{type(auto_map).__name__}: save the folder again with `save_pretrained` or the converter.")
+        return []
     missing = [name for name in AUTO_CLASSES if name not in auto_map]
     if missing:
         problems.append(
@@ -109,7 +127,13 @@ def _check_code(folder: Path, config: dict, problems: list[str]) -> list[str]:
         path = folder / f"{module}.py"
         if not path.is_file():
             problems.append(f"auto_map[{auto_class!r}] names {module}.py, which is not in {folder}.")
-        elif not _defines_class(path, class_name):
+            continue
+        try:
+            defined = _defines_class(path, class_name)
+        except (SyntaxError, UnicodeDecodeError) as error:
+            _unreadable_code(path, error, problems)
+            continue
+        if not defined:
             problems.append(f"auto_map[{auto_class!r}] names class {class_name}, which {module}.py does not define.")
         else:
             modules.add(module)
@@ -126,7 +150,10 @@ def _check_code(folder: Path, config: dict, problems: list[str]) -> list[str]:
             problems.append(f"{module}.py is imported by the model code (`from .{module} import ...`) "
                             f"but is not in {folder}.")
             continue
-        todo += sorted(_relative_imports(path) - seen)
+        try:
+            todo += sorted(_relative_imports(path) - seen)
+        except UnicodeDecodeError as error:
+            _unreadable_code(path, error, problems)
     return sorted(f"{module}.py" for module in seen if (folder / f"{module}.py").is_file())
 
 
@@ -172,7 +199,11 @@ def _check_weights(folder: Path, config: dict, problems: list[str]) -> list[str]
                 problems.append(f"{WEIGHTS_INDEX} lists {len(lacking)} tensor(s) that {shard} does not hold "
                                 f"(e.g. {lacking[0]}).")
         names |= held
-    layers = config.get("num_hidden_layers") or 0
+    layers = config.get("num_hidden_layers")
+    if not isinstance(layers, int) or isinstance(layers, bool) or layers < 1:
+        problems.append(f"{CONFIG_FILE} `num_hidden_layers` must be a whole number >= 1, got {layers!r}: save the "
+                        "folder again with `save_pretrained` or the converter.")
+        return files + shards
     lazy = [f"model.layers.{layer}.self_attn.{name}" for layer in range(layers) for name in LAZY_PARAMETER_NAMES]
     lacking = [name for name in lazy if name not in names]
     if readable and lacking:
@@ -203,11 +234,16 @@ def validate_folder(folder: str | Path, include: list[str] | tuple[str, ...] = (
     problems, selected = [], set()
     config = None
     try:
-        config = json.loads((folder / CONFIG_FILE).read_text())
+        config = json.loads((folder / CONFIG_FILE).read_text(encoding="utf-8"))
     except FileNotFoundError:
         problems.append(f"no {CONFIG_FILE} in {folder}.")
+    except UnicodeDecodeError:
+        problems.append(f"{CONFIG_FILE} is not UTF-8 text.")
     except json.JSONDecodeError as error:
         problems.append(f"{CONFIG_FILE} is not valid JSON ({error}).")
+    if config is not None and not isinstance(config, dict):
+        problems.append(f"{CONFIG_FILE} must hold a JSON object of model settings, got {json.dumps(config)[:40]}.")
+        config = None
     if config is not None:
         if config.get("model_type") != "lazy_llama":
             problems.append(
@@ -271,12 +307,16 @@ def _explain(error: HfHubHTTPError, repo_id: str, action: str) -> PushError:
     return PushError(f"{action} failed: {error}")
 
 
-def _unreachable(error: Exception, action: str, endpoint: str, timeout: float, attempts: int) -> PushError:
+def _outcome(action: str) -> str:
+    """What a failed step leaves behind, and what to do."""
     if action == "Uploading":
-        outcome = ("the commit may or may not have been applied (a commit is all or nothing); the local folder is "
-                   "untouched: run the same command again, it uploads only what is missing")
-    else:
-        outcome = "nothing was committed and the local folder is untouched: run the same command again later"
+        return ("the commit may or may not have been applied (a commit is all or nothing); the local folder is "
+                "untouched: run the same command again, it uploads only what is missing")
+    return "nothing was committed and the local folder is untouched: run the same command again later"
+
+
+def _unreachable(error: Exception, action: str, endpoint: str, timeout: float, attempts: int) -> PushError:
+    outcome = _outcome(action)
     if isinstance(error, TimeoutException):
         return PushError(f"{action} failed: the Hub at {endpoint} did not answer within {timeout:g} s "
                          f"({attempts} attempt(s)); {outcome}, or allow more time with --timeout.")
@@ -309,12 +349,64 @@ def _call_hub(action: str, call, *, repo_id: str, endpoint: str, timeout: float,
             if attempt == retries:
                 raise _unreachable(error, action, endpoint, timeout, attempt + 1) from error
             time.sleep(_pause(attempt))
+        except json.JSONDecodeError as error:  # a 200 answer from something that is not the Hub
+            raise PushError(
+                f"{action} failed: {endpoint} answered with something that is not the Hub's JSON (a captive portal "
+                f"or a proxy's page?); check HF_ENDPOINT and the network; {_outcome(action)}."
+            ) from error
+
+
+class _AnswerDeadlineStream(httpcore.NetworkStream):
+    """A connection on which each answer must arrive whole within `seconds` of its request being sent: the
+    per-read time-out alone lets a server that sends a byte now and then (each within it) hold a request forever."""
+
+    def __init__(self, stream: httpcore.NetworkStream, seconds: float):
+        self.stream, self.seconds, self.deadline = stream, seconds, None
+
+    def write(self, buffer: bytes, timeout: float | None = None) -> None:
+        self.deadline = None  # a request is going out: its answer gets the whole allowance once it is sent
+        self.stream.write(buffer, timeout)
+
+    def read(self, max_bytes: int, timeout: float | None = None) -> bytes:
+        now = time.monotonic()
+        if self.deadline is None:
+            self.deadline = now + self.seconds
+        left = self.deadline - now
+        if left <= 0:
+            raise httpcore.ReadTimeout(f"the answer did not arrive whole within {self.seconds:g} s")
+        return self.stream.read(max_bytes, left if timeout is None else min(timeout, left))
+
+    def close(self) -> None:
+        self.stream.close()
+
+    def start_tls(self, ssl_context, server_hostname: str | None = None, timeout: float | None = None):
+        return _AnswerDeadlineStream(self.stream.start_tls(ssl_context, server_hostname, timeout), self.seconds)
+
+    def get_extra_info(self, info: str):
+        return self.stream.get_extra_info(info)
+
+
+class _AnswerDeadlineBackend(httpcore.NetworkBackend):
+    """Opens `_AnswerDeadlineStream` connections through `backend`."""
+
+    def __init__(self, backend: httpcore.NetworkBackend, seconds: float):
+        self.backend, self.seconds = backend, seconds
+
+    def connect_tcp(self, *args, **kwargs) -> _AnswerDeadlineStream:
+        return _AnswerDeadlineStream(self.backend.connect_tcp(*args, **kwargs), self.seconds)
+
+    def connect_unix_socket(self, *args, **kwargs) -> _AnswerDeadlineStream:
+        return _AnswerDeadlineStream(self.backend.connect_unix_socket(*args, **kwargs), self.seconds)
+
+    def sleep(self, seconds: float) -> None:
+        self.backend.sleep(seconds)
 
 
 @contextmanager
 def request_timeout(seconds: float):
     """Every request huggingface_hub sends in the block gives up after at most `seconds` without progress
-    (connect, send, answer), also where the library asked for no time-out; the previous client setup returns after."""
+    (connect, send, answer), also where the library asked for no time-out, and when its answer has not arrived
+    whole `seconds` after it was sent; the previous client setup returns after."""
     previous = hub_http._GLOBAL_CLIENT_FACTORY
 
     def enforce(request):
@@ -327,6 +419,12 @@ def request_timeout(seconds: float):
     def factory():
         client = previous()
         client.event_hooks = {**client.event_hooks, "request": [*client.event_hooks.get("request", []), enforce]}
+        # The client has no public hook on its connections: wrap the network backend of each connection pool (the
+        # default transport's and any proxy's) so that every connection it opens keeps the answer deadline.
+        for transport in (getattr(client, "_transport", None), *getattr(client, "_mounts", {}).values()):
+            pool = getattr(transport, "_pool", None)
+            if pool is not None:
+                pool._network_backend = _AnswerDeadlineBackend(pool._network_backend, seconds)
         return client
 
     set_client_factory(factory)
@@ -364,13 +462,16 @@ def push_to_hub(
         raise PushError(f"timeout must be a positive number of seconds and retries >= 0, got {timeout!r} and "
                         f"{retries!r}.")
     files = validate_folder(folder, include)
+    try:
+        card = card_for_push(folder, repo_id, stats=stats)
+    except ValueError as error:  # a README.md, settings or statistics file that cannot be read
+        raise PushError(f"{folder} is not ready to publish; nothing was uploaded: {error}") from error
     token = token or get_token()
     if not token:
         raise PushError(
             "no Hugging Face token: set HF_TOKEN, run `hf auth login`, or pass --token. Nothing was uploaded."
         )
     api = HfApi(token=token)
-    card = card_for_push(folder, repo_id, stats=stats)
     branch = revision or "main"
     with request_timeout(timeout):
         def hub(action, call):

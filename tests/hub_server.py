@@ -9,10 +9,12 @@ in the commit (no LFS, no Xet), which is fine for tiny test checkpoints.
 with FakeHub(tokens={"hf_writer": "alice"}) as hub:
     env = {"HF_ENDPOINT": hub.url, "HF_TOKEN": "hf_writer"}   # HF_ENDPOINT is read when huggingface_hub is imported
     hub.fail("POST", "/commit/", status=500)                    # the next commit answers 500
+    hub.fail("POST", "/api/repos/create", 200, body=b"<html>")  # ... or 200 with a captive portal's page
     hub.repos["alice/tiny"].files()                             # {path: bytes} at the head of main
 ```
 
-`SilentHub` is the other kind of server: it accepts connections and never answers (for time-out tests).
+`SilentHub` is the other kind of server: it accepts connections and never answers, or (`trickle=SECONDS`) starts an
+answer and sends one more byte of it every SECONDS, never finishing (for time-out tests).
 
 Access rules (like the Hub's): reading a public repository needs no token; reading a private one needs
 its owner's token; writing needs a known token (else 401) whose user is the namespace (else 403).
@@ -24,6 +26,7 @@ import json
 import re
 import socket
 import threading
+import time
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, unquote, urlsplit
@@ -85,6 +88,7 @@ class _Failure:
     path_contains: str
     status: int
     times: int
+    body: bytes | None  # answered as it is (e.g. an HTML page), instead of the Hub's JSON error
 
 
 class FakeHub:
@@ -129,10 +133,12 @@ class FakeHub:
         return f"http://{host}:{port}"
 
     # -- test controls -----------------------------------------------------------------------------
-    def fail(self, method: str, path_contains: str, status: int = 500, times: int = 1) -> None:
-        """Answer the next `times` requests `method` whose path contains `path_contains` with `status`."""
+    def fail(self, method: str, path_contains: str, status: int = 500, times: int = 1,
+             body: bytes | None = None) -> None:
+        """Answer the next `times` requests `method` whose path contains `path_contains` with `status` (and `body`,
+        if given, instead of the Hub's JSON error)."""
         with self._lock:
-            self._failures.append(_Failure(method.upper(), path_contains, status, times))
+            self._failures.append(_Failure(method.upper(), path_contains, status, times, body))
 
     def clear_failures(self) -> None:
         """Forget injected failures that no request has met yet."""
@@ -142,12 +148,12 @@ class FakeHub:
     def requests(self, method: str, path_contains: str = "") -> list[tuple[str, str, int]]:
         return [entry for entry in self.log if entry[0] == method.upper() and path_contains in entry[1]]
 
-    def _injected_failure(self, method: str, path: str) -> int | None:
+    def _injected_failure(self, method: str, path: str) -> _Failure | None:
         with self._lock:
             for failure in self._failures:
                 if failure.method == method and failure.path_contains in path and failure.times > 0:
                     failure.times -= 1
-                    return failure.status
+                    return failure
         return None
 
     # -- access rules ------------------------------------------------------------------------------
@@ -188,11 +194,15 @@ class _Handler(BaseHTTPRequestHandler):
         split = urlsplit(self.path)
         path, query = split.path, parse_qs(split.query)
         body = self.rfile.read(int(self.headers.get("Content-Length") or 0)) if method == "POST" else b""
-        status = self.hub._injected_failure(method, path)
+        failure = self.hub._injected_failure(method, path)
+        status = None
         try:
-            if status is not None:
-                raise HubError(status, f"Injected failure {status} for {method} {path}")
-            status = self._route(method, path, query, body)
+            if failure is not None and failure.body is not None:
+                status = self._send(failure.status, failure.body, head=method == "HEAD")
+            elif failure is not None:
+                raise HubError(failure.status, f"Injected failure {failure.status} for {method} {path}")
+            else:
+                status = self._route(method, path, query, body)
         except HubError as error:
             status = error.status
             headers = {"X-Error-Message": error.message}
@@ -391,13 +401,19 @@ class _Handler(BaseHTTPRequestHandler):
 
 
 class SilentHub:
-    """A server that accepts connections on 127.0.0.1 and never answers: a Hub that hangs.
+    """A server that accepts connections on 127.0.0.1 and never answers: a Hub that hangs. With `trickle=SECONDS`
+    it reads each request, then sends a status line and one more byte of a header every SECONDS, never finishing:
+    a Hub (or proxy) that keeps a connection alive without ever answering. It hangs up after `TRICKLE_FOR`
+    seconds, so that a client without a deadline fails a test instead of hanging it.
 
     `hub.url` is the endpoint; `hub.accepted` counts the connections taken (a client got that far).
     """
 
-    def __init__(self):
+    TRICKLE_FOR = 10.0
+
+    def __init__(self, trickle: float | None = None):
         self.accepted = 0
+        self.trickle = trickle
         self._socket: socket.socket | None = None
         self._connections: list[socket.socket] = []
 
@@ -412,8 +428,22 @@ class SilentHub:
                 connection, _ = self._socket.accept()
             except OSError:  # closed by stop()
                 return
-            self._connections.append(connection)  # kept open, never read, never answered
+            self._connections.append(connection)  # kept open, never answered
             self.accepted += 1
+            if self.trickle is not None:
+                threading.Thread(target=self._trickle, args=(connection,), daemon=True).start()
+
+    def _trickle(self, connection: socket.socket) -> None:
+        try:
+            connection.recv(65536)
+            connection.sendall(b"HTTP/1.1 200 OK\r\nX-Trickle: ")
+            end = time.monotonic() + self.TRICKLE_FOR
+            while time.monotonic() < end:
+                time.sleep(self.trickle)
+                connection.sendall(b"x")
+            connection.close()
+        except OSError:  # closed by the client or by stop()
+            return
 
     def stop(self) -> None:
         for connection in [self._socket, *self._connections]:

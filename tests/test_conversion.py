@@ -201,9 +201,62 @@ def test_refuses_other_architectures_and_features(tmp_path, capsys):
         ({"quantization_config": {"quant_method": "bitsandbytes"}}, "quantized"),
         ({"vocab_size": "96"}, "invalid configuration: Validation error for field 'vocab_size'"),
         ({"num_hidden_layers": -1}, "num_hidden_layers must be an integer >= 1"),
+        ({"rope_parameters": "default"}, "rope_parameters must be a JSON object, got a str ('default')"),
+        ({"quantization_config": "bnb"}, "quantization_config must be a JSON object, got a str ('bnb')"),
+        ({"rope_parameters": {"rope_type": "default", "rope_theta": "abc"}},
+         "rope_theta must be a positive number, got 'abc'"),
+        ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4}},
+         "invalid configuration: Missing required keys in `rope_parameters` for 'rope_type'='yarn': {'factor'}"),
+        ({"rope_parameters": {"rope_type": "linear", "rope_theta": 1e4, "factor": "x"}},
+         "invalid configuration: the model cannot be built from it (TypeError"),
+        ({"pad_token_id": 10**6}, "invalid configuration: the model cannot be built from it (AssertionError"),
     ):
         (source / "config.json").write_text(json.dumps({**config, **patch}))
-        _refused(tmp_path, capsys, source, message)
+        err = _refused(tmp_path, capsys, source, message)
+        assert message in err.strip().splitlines()[-1], err  # one line
+
+
+def test_refuses_a_config_json_that_is_not_a_json_object(tmp_path, capsys):
+    source = tiny_llama(tmp_path / "src", num_key_value_heads=2)
+    for content, message in ((bytes(range(128, 256)), "config.json is not UTF-8 text"),
+                             (b"[1, 2]", "config.json must hold a JSON object of model settings, got [1, 2]"),
+                             (b"null", "must hold a JSON object of model settings, got null")):
+        (source / "config.json").write_bytes(content)
+        err = _refused(tmp_path, capsys, source, message)
+        assert message in err.strip().splitlines()[-1], err  # one line
+
+
+def test_refuses_a_pickle_with_code_in_one_line_without_running_it(tmp_path, capsys):
+    source = tiny_llama(tmp_path / "src", num_key_value_heads=2)
+    (source / "model.safetensors").unlink()
+    ran = tmp_path / "ran"
+
+    class Payload:  # what an untrusted .bin can hold: unpickling it would call os.system
+        def __reduce__(self):
+            return os.system, (f"touch {ran}",)
+
+    torch.save({"model.embed_tokens.weight": Payload()}, source / "pytorch_model.bin")
+    message = ("pytorch_model.bin holds objects other than tensors (posix.system), so it cannot be read safely: "
+               "convert it to safetensors with a tool you trust")
+    err = _refused(tmp_path, capsys, source, message)
+    assert "weights_only" not in err and not ran.exists()
+    assert message in err.strip().splitlines()[-1], err  # one line
+
+
+@pytest.mark.parametrize("outside", ["../elsewhere/model.safetensors", "{elsewhere}/model.safetensors"],
+                         ids=["relative", "absolute"])
+def test_refuses_an_index_that_names_files_outside_the_source(tmp_path, capsys, outside):
+    from safetensors import safe_open
+
+    source = tiny_llama(tmp_path / "src", num_key_value_heads=2)
+    (tmp_path / "elsewhere").mkdir()
+    (source / "model.safetensors").rename(tmp_path / "elsewhere" / "model.safetensors")
+    with safe_open(tmp_path / "elsewhere" / "model.safetensors", "pt") as weights:
+        names = list(weights.keys())
+    shard = outside.format(elsewhere=tmp_path / "elsewhere")
+    (source / "model.safetensors.index.json").write_text(json.dumps({"weight_map": dict.fromkeys(names, shard)}))
+    _refused(tmp_path, capsys, source, f"names weight files outside {source} ({shard}): an index may only name "
+             "files in its own folder")
 
 
 def test_refuses_missing_and_corrupt_weights(tmp_path, capsys):
@@ -317,7 +370,7 @@ def test_hangup_cleans_up_and_a_killed_run_is_cleaned_up_later(tmp_path, capsys)
     process.communicate(timeout=120)
     assert list(tmp_path.glob(".out.tmp-*"))
     assert cv.main([str(source), str(tmp_path / "out")]) == 0
-    assert "left by an interrupted run" in capsys.readouterr().out
+    assert "left by an interrupted run" in capsys.readouterr().err
     assert not list(tmp_path.glob(".out.*")) and _complete(tmp_path / "out")
 
 
@@ -366,27 +419,27 @@ def test_sigterm_at_any_moment_after_writing_reports_what_out_holds(tmp_path, ca
     assert cv.main([str(source), str(out), "--seed", "0"]) == 0
     stray = []
     previous = signal.signal(signal.SIGTERM, lambda *args: stray.append(args))  # a late signal must not end pytest
-    stdout = sys.stdout
+    stderr = sys.stderr
     outcomes = []
     try:
         for seed, delay in enumerate((0.0, 0.001, 0.002, 0.004, 0.008, 0.015, 0.03, 0.06), start=1):
             timers = []
 
-            class Watch:  # stdout that starts the timer when the conversion says it wrote its shards
+            class Watch:  # stderr that starts the timer when the conversion says it wrote its shards
                 def write(self, text):
                     if "wrote" in text and not timers:
                         timers.append(threading.Timer(delay, os.kill, (os.getpid(), signal.SIGTERM)))
                         timers[0].start()
-                    return len(text)
+                    return stderr.write(text)
 
                 def flush(self):
-                    pass
+                    stderr.flush()
 
-            sys.stdout = Watch()
+            sys.stderr = Watch()
             before = _seed(out)
             code = cv.main([str(source), str(out), "--overwrite", "--seed", str(seed)])
             timers[0].join()
-            sys.stdout = stdout
+            sys.stderr = stderr
             err = capsys.readouterr().err
             now = _seed(out)
             assert _complete(out) and not list(tmp_path.glob(".out.*")), (delay, err)
@@ -397,7 +450,7 @@ def test_sigterm_at_any_moment_after_writing_reports_what_out_holds(tmp_path, ca
                 assert now == (seed if "OUT holds the new conversion" in err else before), (delay, err)
             outcomes.append((delay, code, now == seed))
     finally:
-        sys.stdout = stdout
+        sys.stderr = stderr
         signal.signal(signal.SIGTERM, previous)
     print("delay, exit code, new conversion in OUT:", outcomes)
 
@@ -448,10 +501,11 @@ def test_read_only_full_and_mounted_out_are_refused_in_one_line(tmp_path):
     for case, message in (("read_only", "Read-only file system"), ("full", "not enough free space beside"),
                           ("mount_point", "is a mount point"), ("fills_up", "No space left on device")):
         result = results[case]
-        lines = [line for line in result["stderr"].splitlines() if line.strip()]
+        lines = [line for line in result["stderr"].splitlines() if line.startswith("lazy-convert:")]
         assert result["code"] == 1 and len(lines) == 1 and message in lines[0], (case, result)
+        assert "Traceback" not in result["stderr"] and result["stdout"] == "", (case, result)
         if case != "fills_up":
-            assert "wrote" not in result["stdout"], f"{case}: refused only after converting"
+            assert "Converting" not in result["stderr"], f"{case}: refused only after converting"
     assert results["left_on_full_disk"] == [], "the temporary folder was left on the full disk"
 
 
@@ -468,6 +522,8 @@ def test_existing_output_needs_overwrite_and_only_a_model_folder_is_replaced(tmp
     assert "does not look like a model folder" in err and "keep.txt" in err and (out / "keep.txt").read_text() == "mine"
     (out / "keep.txt").unlink()  # an empty folder is as good as none
     assert cv.main([str(source), str(out)]) == 0
+    printed = capsys.readouterr()  # progress goes to stderr, as for every tool
+    assert printed.out == "" and f"Done: {out}" in printed.err
     assert cv.main([str(source), str(out), "--overwrite", "--seed", "1"]) == 0
     assert _seed(out) == 1 and (out / "model.safetensors").is_file()
     assert not list(tmp_path.glob(".out.*"))
@@ -493,6 +549,29 @@ def test_verify_tolerance_is_checked_when_parsed(tmp_path, capsys, tolerance):
         cv.main([str(source), str(tmp_path / "out"), "--verify", "--verify-tolerance", tolerance])
     assert exit_info.value.code == 2 and "--verify-tolerance" in capsys.readouterr().err
     assert no_leftovers(tmp_path, "out")
+
+
+@pytest.mark.parametrize("option, message", [
+    (["--max-shard-size", "infGB"], "argument --max-shard-size: expected a positive size such as 2GB, 500MB or a "
+                                    "number of bytes, got 'infGB'"),
+    (["--max-shard-size", "0"], "argument --max-shard-size: expected a positive size"),
+    (["--seed", str(2**64)], f"argument --seed: must be less than {2**64}"),
+    (["--seed", "-1"], "argument --seed: must be at least 0"),
+])
+def test_sizes_and_seeds_are_checked_when_parsed(tmp_path, capsys, option, message):
+    with pytest.raises(SystemExit) as exit_info:
+        cv.main([str(tmp_path / "src"), str(tmp_path / "out"), *option])
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err.strip().splitlines()[-1]
+    assert cv.main([str(tmp_path / "src"), str(tmp_path / "out"), "--max-shard-size", "64KiB", "--seed",
+                    str(2**64 - 1)]) == 1  # the largest seed and a unit pass the parser (no source here)
+    assert "does not exist" in capsys.readouterr().err
+
+
+def test_convert_checks_the_shard_size_and_seed_before_anything(tmp_path):
+    for settings, message in ((dict(max_shard_size="infGB"), "--max-shard-size: expected a positive size"),
+                              (dict(seed=2**64), f"--seed must be a whole number from 0 to {2**64 - 1}")):
+        with pytest.raises(cv.ConversionError, match=message):
+            cv.convert(tmp_path / "src", tmp_path / "out", **settings, **QUIET)
 
 
 def test_command_line_module(tmp_path):

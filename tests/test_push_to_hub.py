@@ -251,7 +251,21 @@ def _edit_config(folder: Path, edit) -> None:
     (lambda f: (f / "model.safetensors").unlink(), "no weights"),
     (lambda f: _edit_config(f, lambda c: c.update(model_type="llama")), "expected 'lazy_llama'"),
     (lambda f: (f / "config.json").unlink(), "no config.json"),
-], ids=["auto_map-entry", "no-auto_map", "imported-file", "config-code", "weights", "model_type", "config"])
+    (lambda f: (f / "config.json").write_text("[1]"), "config.json must hold a JSON object of model settings, got [1]"),
+    (lambda f: (f / "config.json").write_bytes(b"\xff\xfe{}"), "config.json is not UTF-8 text"),
+    (lambda f: _edit_config(f, lambda c: c.update(auto_map=["x"])), "config.json `auto_map` must be a JSON object"),
+    (lambda f: _edit_config(f, lambda c: c.update(num_hidden_layers="2")),
+     "config.json `num_hidden_layers` must be a whole number >= 1, got '2'"),
+    (lambda f: (f / "modeling_lazy.py").write_text("def (\n"), "modeling_lazy.py has a syntax error (line 1: "),
+    (lambda f: (f / STATS_FILE).write_text('{"mean": 5}'), f"{STATS_FILE} holds no attention statistics"),
+    (lambda f: (f / "README.md").write_text("---\nlicense: [unclosed\n---\nhello\n"),
+     "README.md has broken YAML metadata at line 2"),
+    (lambda f: (f / "README.md").write_bytes(b"\xff\xfe"), "README.md is not UTF-8 text"),
+    (lambda f: (f / SETTINGS_FILE).write_text("{bad"), f"{SETTINGS_FILE} is not valid JSON"),
+    (lambda f: (f / SETTINGS_FILE).write_text("[]"), f"{SETTINGS_FILE} must hold a JSON object"),
+], ids=["auto_map-entry", "no-auto_map", "imported-file", "config-code", "weights", "model_type", "config",
+        "config-list", "config-not-utf8", "auto_map-list", "layers-string", "code-syntax", "stats-shape",
+        "card-yaml", "card-not-utf8", "settings-not-json", "settings-list"])
 def test_incomplete_folder_is_refused_before_any_request(client, checkpoint, tmp_path, breaker, message):
     folder = _broken_copy(checkpoint, tmp_path, breaker)
     requests_before = len(client.log)
@@ -259,6 +273,8 @@ def test_incomplete_folder_is_refused_before_any_request(client, checkpoint, tmp
         push_to_hub(folder, "alice/never")
     assert message in str(error.value)
     assert len(client.log) == requests_before and "alice/never" not in client.repos
+    problems = str(error.value).split("nothing was uploaded", 1)[1]
+    assert problems.count(message) == 1, "each problem is named once"
 
 
 def test_saved_checkpoint_validates(checkpoint):
@@ -439,6 +455,30 @@ def test_a_hub_that_never_answers_times_out_in_one_line(silent, checkpoint, caps
     assert len(lines) == 1 and "did not answer within 0.5 s (2 attempt(s))" in lines[0], lines
     assert "--timeout" in lines[0] and silent.accepted >= 2
     assert elapsed < 30, f"took {elapsed:.0f} s"
+
+
+def test_a_hub_that_trickles_its_answer_times_out_like_a_silent_one(checkpoint, tmp_path, monkeypatch, capsys):
+    """A byte every 0.2 s keeps each read within --timeout, but the answer never completes: the request still
+    gives up --timeout seconds after it was sent, with the same line as for a silent Hub."""
+    with SilentHub(trickle=0.2) as server:
+        _point_client_at(monkeypatch, server, tmp_path)
+        started = time.monotonic()
+        assert main([str(checkpoint[0]), "alice/trickled", "--timeout", "1", "--retries", "0"]) == 1
+        elapsed = time.monotonic() - started
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(lines) == 1 and "did not answer within 1 s (1 attempt(s))" in lines[0], lines
+    assert server.accepted >= 1 and elapsed < 8, f"took {elapsed:.1f} s"
+
+
+def test_an_answer_that_is_not_json_names_the_step_and_the_endpoint(client, checkpoint, capsys):
+    """A captive portal or a proxy answers 200 with a page of its own."""
+    client.fail("POST", "/api/repos/create", status=200, body=b"<html>captive portal</html>")
+    assert main([str(checkpoint[0]), "alice/portal", "--retries", "0"]) == 1
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith(
+        f"lazy-push: error: Creating the repository failed: {client.url} answered with something that is not the "
+        "Hub's JSON"), lines
+    assert "HF_ENDPOINT" in lines[0] and "alice/portal" not in client.repos
 
 
 def test_ctrl_c_while_waiting_for_the_hub_ends_in_one_line(silent, checkpoint, tmp_path):
