@@ -63,12 +63,25 @@ class LazyLlamaConfig(LlamaConfig):
 
     def __post_init__(self, **kwargs):
         # Checked here, before the strict-dataclass validators, so that bad values raise a plain ValueError.
-        self._validate_fields()
+        self.validate_lazy_fields()
         kwargs.pop("model_type", None)  # a vanilla Llama config.json says "llama": this class is "lazy_llama"
         super().__post_init__(**kwargs)
 
-    def _validate_fields(self):
-        """Reject inconsistent values at construction with a message that says what to change."""
+    @classmethod
+    def from_dict(cls, config_dict, **kwargs):
+        """`PreTrainedConfig.from_dict` (what `from_pretrained` and `AutoConfig` call), checked again afterwards:
+        it sets the keyword arguments (`from_pretrained(path, lazy_bias_window=0)`) after construction."""
+        result = super().from_dict(config_dict, **kwargs)
+        (result[0] if isinstance(result, tuple) else result).validate_lazy_fields()
+        return result
+
+    def validate_lazy_fields(self):
+        """Reject inconsistent values with a ValueError that says what to change.
+
+        Run at construction (`__post_init__`), after `from_dict`/`from_pretrained` has set its keyword arguments,
+        and, as a `@strict` class validator, by `validate()`, which `save_pretrained` calls: a value set on the
+        attribute afterwards is refused before anything is written.
+        """
         for name in _POSITIVE_SIZES:
             value = getattr(self, name)
             if not (value is None and name in _DERIVED_IF_NONE or _is_positive_int(value)):

@@ -41,6 +41,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-new-tokens", type=int, default=30)
     args = parser.parse_args(argv)
 
+    from conversion.convert_llama_to_lazy import ConversionError
+
+    try:
+        return demo(args)
+    except (OSError, ConversionError) as error:  # missing weights or npm, an unusable --output: one line
+        raise SystemExit(f"error: {error}") from None
+
+
+def demo(args) -> int:
+    """The five steps of the module docstring, as the parsed options say."""
     from tqdm.auto import tqdm
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -114,7 +124,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        raise SystemExit(main())
-    except FileNotFoundError as error:  # missing weights or npm: the message says what to install
-        raise SystemExit(f"error: {error}") from None
+    raise SystemExit(main())

@@ -31,13 +31,16 @@ PUSH_TIMEOUT = 60.0  # seconds without an answer before a request gives up
 PUSH_RETRIES = 2
 PUSH_COMMIT_MESSAGE = "Upload LazyLlama checkpoint (lazy-push)"
 TAU_ZERO = "tau=0"  # lazy-inspect --baseline: MODEL with every tau set to 0
+SEED_LIMIT = 2**64  # lazy-convert --seed: torch.Generator.manual_seed takes 0 .. 2**64 - 1
+SIZE_UNITS = {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "KB": 10**3, "MB": 10**6, "GB": 10**9, "B": 1}
 
 
 # ------------------------------------------------------------------------------------------------ types
 
 
-def at_least(minimum: float, kind: type = int, *, strictly: bool = False):
-    """An `argparse` type: a finite `kind` (int or float) >= `minimum` (> with `strictly`), checked when parsed."""
+def at_least(minimum: float, kind: type = int, *, strictly: bool = False, below: float | None = None):
+    """An `argparse` type: a finite `kind` (int or float) >= `minimum` (> with `strictly`) and < `below` (if
+    given), checked when parsed."""
 
     def parse(text: str):
         try:
@@ -45,8 +48,12 @@ def at_least(minimum: float, kind: type = int, *, strictly: bool = False):
         except ValueError:
             raise argparse.ArgumentTypeError(
                 f"expected {'a whole number' if kind is int else 'a number'}, got {text!r}") from None
-        if not math.isfinite(value) or value < minimum or strictly and value == minimum:
+        if isinstance(value, float) and not math.isfinite(value):  # (an int is finite, however long)
+            raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
+        if value < minimum or strictly and value == minimum:
             raise argparse.ArgumentTypeError(f"must be {'more than' if strictly else 'at least'} {minimum}, got {text}")
+        if below is not None and value >= below:
+            raise argparse.ArgumentTypeError(f"must be less than {below}, got {text}")
         return value
 
     parse.__name__ = kind.__name__  # what argparse names in "invalid ... value"
@@ -54,6 +61,31 @@ def at_least(minimum: float, kind: type = int, *, strictly: bool = False):
 
 
 positive_int = at_least(1)
+finite_float = at_least(-math.inf, float)
+
+
+def parse_size(size: str | int) -> int:
+    """Bytes in "5GB", "500MB", "64KiB" or a plain number of bytes; ValueError unless it is at least one byte."""
+    text, factor = str(size).strip().upper(), 1
+    for unit, unit_bytes in SIZE_UNITS.items():
+        if text.endswith(unit):
+            text, factor = text[: -len(unit)], unit_bytes
+            break
+    try:
+        value = float(text) * factor
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value >= 1):
+        raise ValueError(f"expected a positive size such as 2GB, 500MB or a number of bytes, got {size!r}")
+    return int(value)
+
+
+def byte_size(text: str) -> int:
+    """`argparse` type: a size in bytes, spelled as `parse_size` reads it."""
+    try:
+        return parse_size(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def device_name(text: str) -> str:
@@ -116,14 +148,14 @@ def convert_parser() -> argparse.ArgumentParser:
     parser.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, metavar="DTYPE",
                         help=DTYPE_HELP.replace("checkpoint's own", "source's: its config.json, else its tensors; "
                                                                     "GGUF: float32"))
-    parser.add_argument("--max-shard-size", default="2GB", metavar="SIZE",
+    parser.add_argument("--max-shard-size", type=byte_size, default="2GB", metavar="SIZE",
                         help="largest output shard, e.g. 2GB, 500MB (default: %(default)s)")
     parser.add_argument("--verify", action="store_true", help="compare logits with the source; fail above tolerance")
     parser.add_argument("--verify-tolerance", type=at_least(0.0, float), default=VERIFY_TOLERANCE, metavar="DIFF",
                         help="max abs logit difference, a finite number >= 0 (default: %(default)g)")
     parser.add_argument("--overwrite", action="store_true", help="replace a non-empty OUT that holds a model")
-    parser.add_argument("--seed", type=int, default=0, metavar="N",
-                        help="seed of the distance-bias initialisation (default: %(default)s)")
+    parser.add_argument("--seed", type=at_least(0, below=SEED_LIMIT), default=0, metavar="N",
+                        help="seed of the distance-bias initialisation, 0 .. 2**64 - 1 (default: %(default)s)")
     parser.add_argument("--base-model", metavar="REPO_ID", help="Hub id of the source, for the model card")
     parser.add_argument("--license", metavar="NAME", help="license of the weights, for the model card")
     return parser
@@ -240,23 +272,24 @@ def finetune_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-eval-blocks", type=positive_int, metavar="N",
                         help="keep only the first N evaluation blocks")
     parser.add_argument("--mode", default="full", choices=FINETUNE_MODES, help="what trains (default: %(default)s)")
-    parser.add_argument("--lazy-lr-multiplier", type=float, default=1.0, metavar="FACTOR",
-                        help="learning-rate factor for tau/distance_bias (default: %(default)g)")
-    parser.add_argument("--tau-init", type=float, default=0.0, metavar="TAU",
-                        help="tau for a Llama input (default: 0, exact conversion)")
-    parser.add_argument("--bias-init-std", type=float, default=0.0, metavar="STD",
-                        help="distance_bias std for a Llama input (default: 0)")
+    parser.add_argument("--lazy-lr-multiplier", type=at_least(0.0, float), default=1.0, metavar="FACTOR",
+                        help="learning-rate factor for tau/distance_bias, a finite number >= 0 (default: %(default)g)")
+    parser.add_argument("--tau-init", type=finite_float, default=0.0, metavar="TAU",
+                        help="tau for a Llama input, a finite number (default: 0, exact conversion)")
+    parser.add_argument("--bias-init-std", type=at_least(0.0, float), default=0.0, metavar="STD",
+                        help="distance_bias std for a Llama input, a finite number >= 0 (default: 0)")
     parser.add_argument("--lora-r", type=positive_int, default=8, metavar="R", help="LoRA rank (mode lora; default 8)")
     parser.add_argument("--lora-alpha", type=positive_int, default=16, metavar="ALPHA",
                         help="LoRA alpha (mode lora; default 16)")
-    parser.add_argument("--lora-dropout", type=float, default=0.0, metavar="P", help="LoRA dropout (mode lora)")
+    parser.add_argument("--lora-dropout", type=at_least(0.0, float, below=1.0), default=0.0, metavar="P",
+                        help="LoRA dropout probability, 0 <= P < 1 (mode lora; default 0)")
     parser.add_argument("--lora-target-modules", nargs="+", default=list(DEFAULT_LORA_TARGETS), metavar="NAME",
                         help="modules that get LoRA adapters (mode lora; default: %(default)s)")
     parser.add_argument("--lora-train-lazy", type=boolean, default=True, metavar="true|false",
                         help="train tau/distance_bias beside the LoRA adapters and save them in the adapter file "
                              "(mode lora; default: true)")
-    parser.add_argument("--stats-tokens", type=positive_int, default=256, metavar="N",
-                        help="probe length of the attention-statistics callback (default: %(default)s)")
+    parser.add_argument("--stats-tokens", type=at_least(2), default=256, metavar="N",
+                        help="probe length of the attention-statistics callback, at least 2 (default: %(default)s)")
     parser.add_argument("--stats-every-n-logs", type=positive_int, default=1, metavar="N",
                         help="attention statistics every N training logs (default: %(default)s)")
     parser.add_argument("--auto-bf16", type=boolean, default=True, metavar="true|false",

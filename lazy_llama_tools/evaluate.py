@@ -9,12 +9,19 @@ tokenizer) the same tokens are scored by both. Benchmarks: see the README (lm-ev
 """
 
 import json
+import os
 from pathlib import Path
 
 from tqdm.auto import tqdm
 
 from lazy_llama_tools.cli import evaluate_parser
-from lazy_llama_tools.loading import check_same_vocabulary, load_causal_lm, load_tokenizer, read_token_ids
+from lazy_llama_tools.loading import (
+    check_output_file,
+    check_same_vocabulary,
+    load_causal_lm,
+    load_tokenizer,
+    read_token_ids,
+)
 from lazy_llama_tools.metrics import perplexity
 
 
@@ -41,6 +48,8 @@ def run(args) -> int:
     try:
         if args.context < 2:
             raise ValueError(f"--context must be >= 2, got {args.context}")
+        if args.json:
+            check_output_file(args.json, "--json")
         models = [(args.model, load_causal_lm(args.model, role="model", device=args.device, dtype=args.dtype))]
         if args.baseline:
             models.append((args.baseline, load_causal_lm(args.baseline, role="baseline", device=args.device,
@@ -55,15 +64,20 @@ def run(args) -> int:
                 raise ValueError(f"token id {int(ids.max())} is outside {name}'s vocabulary "
                                  f"({model.config.vocab_size}): the models must share the tokenizer")
             results.append(evaluate_perplexity(model, ids, args.context, args.stride, name, not args.no_progress))
-    except (ValueError, OSError) as error:  # NotALazyLlama and ModelNotFound are ValueErrors
+        if args.json:  # written beside the target and renamed: a failed write leaves no half file
+            tmp = Path(f"{args.json}.tmp-{os.getpid()}")
+            try:
+                tmp.write_text(json.dumps({"text_file": args.text, "results": results}, indent=1) + "\n")
+                os.replace(tmp, args.json)
+            finally:
+                tmp.unlink(missing_ok=True)
+    except (ValueError, OSError) as error:  # NotALazyLlama, ModelNotFound and UnusableModel are ValueErrors
         raise SystemExit(f"lazy-evaluate: error: {error}") from None
     for result in results:
         print(f"{result['model']}: perplexity {result['perplexity']:.4f} (mean NLL {result['nll']:.4f} nats over "
               f"{result['tokens']} tokens of {args.text}; context {result['context']}, stride {result['stride']})")
     if len(results) == 2:
         print(f"ratio model / baseline: {results[0]['perplexity'] / results[1]['perplexity']:.4f}")
-    if args.json:
-        Path(args.json).write_text(json.dumps({"text_file": args.text, "results": results}, indent=1) + "\n")
     return 0
 
 

@@ -16,7 +16,7 @@ Python recipe (what `main` does):
     trainer.train()
 
 Data: text files hold one document per blank-line-separated paragraph block (what `brown_text_file` writes);
-JSON-lines files hold one document per record (`--text_column`). Documents are tokenised, ended with EOS and
+JSON-lines files hold one document per record (`--text-column`). Documents are tokenised, ended with EOS and
 packed by `lazy_llama_tools.data.pack_token_blocks` into blocks whose `position_ids` restart at 0 at every document
 start; the model reads document boundaries from those restarts, so packed documents never see each other
 (docs/design.md). Labels are the input ids, except that the first token of every document segment (position 0)
@@ -30,21 +30,39 @@ Parameters: `tau` and `distance_bias` never get weight decay and may get their o
 both (`save_lora_adapter` does the same outside `LazyTrainer`).
 """
 
+import dataclasses
 import math
 import os
+import shutil
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from transformers import Trainer, TrainerCallback, TrainingArguments
-from transformers.trainer import TRAINER_STATE_NAME
+from transformers.trainer import TRAINER_STATE_NAME, TRAINING_ARGS_NAME
 
-from conversion.convert_llama_to_lazy import EXACT_TAU_INIT
+from conversion.convert_llama_to_lazy import EXACT_TAU_INIT, ConversionError, make_shareable, check_llama_config
 from lazy_llama_tools.cli import DEFAULT_LORA_TARGETS
 from lazy_llama_tools.cli import FINETUNE_MODES as MODES
 from lazy_llama_tools.data import pack_token_blocks
-from lazy_llama_tools.folders import deferred_signals, terminations_as_interrupts
-from lazy_llama_tools.loading import ModelNotFound, check_text_file, missing_model_explained, without_gguf_quantization
+from lazy_llama_tools.folders import (
+    deferred_signals,
+    is_empty_folder,
+    publish_folder,
+    temporary_folder,
+    terminations_as_interrupts,
+)
+from lazy_llama_tools.loading import (
+    LAZY_TYPE,
+    ModelNotFound,
+    UnusableModel,
+    check_text_file,
+    missing_model_explained,
+    one_line,
+    without_gguf_quantization,
+)
 from lazy_llama_tools.metrics import attention_statistics
 from modeling_lazy import is_lazy_parameter
 from modeling_lazy.modeling_lazy import LAZY_PARAMETER_NAMES
@@ -64,6 +82,9 @@ def load_model(path: str, tau_init: float = EXACT_TAU_INIT, bias_init_std: float
     A Llama checkpoint has no `tau`/`distance_bias`; they are initialised to `tau_init` and N(0, `bias_init_std`)
     (defaults 0 and 0: the exact conversion, logits identical to the Llama's). A LazyLlama checkpoint keeps its
     own values. Weights load in `dtype` (float32 by default; mixed precision is the Trainer's job).
+    Anything but a LazyLlama or a plain Llama (`check_llama_config`, as `lazy-convert` refuses it) is refused
+    before any model is built (`FinetuneError`), and so is a folder whose files cannot be loaded
+    (`ModelNotFound`, `UnusableModel`, `FinetuneError` for a missing tokenizer): each a one-line message.
     `distributed_config` (a `transformers.DistributedConfig`, e.g. `fsdp_size=N` under torchrun) shards the model
     at load time with FSDP2; `Trainer` then trains it as it is.
     """
@@ -72,10 +93,23 @@ def load_model(path: str, tau_init: float = EXACT_TAU_INIT, bias_init_std: float
     from modeling_lazy import LazyLlamaConfig, LazyLlamaForCausalLM
 
     with missing_model_explained(path):
+        source, _ = LazyLlamaConfig.get_config_dict(path)
+    if source.get("model_type") != LAZY_TYPE:
+        try:
+            check_llama_config(source)
+        except ConversionError as error:
+            raise FinetuneError(f"{path}: {error} lazy-finetune trains a LazyLlama, or a Llama that it converts on "
+                                "load.") from None
+    with missing_model_explained(path):
         config = LazyLlamaConfig.from_pretrained(path, lazy_tau_init=tau_init, lazy_bias_init_std=bias_init_std)
-    model = LazyLlamaForCausalLM.from_pretrained(path, config=without_gguf_quantization(config), dtype=dtype,
-                                                 distributed_config=distributed_config)
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError, TypeError, KeyError) as error:
+        raise FinetuneError(f"no tokenizer could be loaded from {path} ({one_line(error, 200)}): save the "
+                            "tokenizer files with the model") from None
+    with missing_model_explained(path):
+        model = LazyLlamaForCausalLM.from_pretrained(path, config=without_gguf_quantization(config), dtype=dtype,
+                                                     distributed_config=distributed_config)
     return model, tokenizer
 
 
@@ -94,9 +128,15 @@ def configure_trainable(model, mode: str = "full", lora_r: int = 8, lora_alpha: 
     if mode == "lora":
         from peft import LoraConfig, get_peft_model
 
-        config = LoraConfig(r=lora_r, lora_alpha=lora_alpha, lora_dropout=lora_dropout, task_type="CAUSAL_LM",
-                            target_modules=list(lora_target_modules or DEFAULT_LORA_TARGETS))
-        model = get_peft_model(model, config)
+        targets = list(lora_target_modules or DEFAULT_LORA_TARGETS)
+        try:
+            config = LoraConfig(r=lora_r, lora_alpha=lora_alpha, lora_dropout=lora_dropout, task_type="CAUSAL_LM",
+                                target_modules=targets)
+            model = get_peft_model(model, config)
+        except ValueError as error:  # e.g. target modules that the model does not have
+            raise FinetuneError(f"LoRA cannot be set up with target modules {targets}: {one_line(error)} (the "
+                                "attention and MLP projections are q_proj, k_proj, v_proj, o_proj, gate_proj, "
+                                "up_proj, down_proj)") from None
         if lora_train_lazy:  # PEFT's `modules_to_save` names modules: it cannot reach these two parameters
             for name, param in model.named_parameters():
                 if is_lazy_parameter(name):
@@ -187,16 +227,27 @@ def load_documents(files: list[str], text_column: str = "text"):
     if text_files:
         parts.append(load_dataset("text", data_files=text_files, sample_by="paragraph", split="train"))
     if json_files:
-        part = load_dataset("json", data_files=json_files, split="train")
+        from datasets.exceptions import DatasetGenerationError
+
+        try:
+            part = load_dataset("json", data_files=json_files, split="train")
+        except DatasetGenerationError as error:
+            cause = error.__cause__ or error
+            raise FinetuneError(f"{', '.join(json_files)}: not valid JSON lines ({one_line(cause, 200)}): give one "
+                                "JSON object per line") from None
         if text_column not in part.column_names:
             raise FinetuneError(f"JSON-lines files have no column {text_column!r} (columns: {part.column_names}); "
-                             "pass --text_column")
+                                "pass --text-column")
+        kind = getattr(part.features[text_column], "dtype", None)
+        if kind not in ("string", "large_string"):
+            raise FinetuneError(f"{', '.join(json_files)}: field {text_column!r} must hold text (a string) in every "
+                                f"record, found {part.features[text_column]}")
         part = part.select_columns([text_column])
         if text_column != "text":
             part = part.rename_column(text_column, "text")
         parts.append(part)
     dataset = concatenate_datasets(parts) if len(parts) > 1 else parts[0]
-    return dataset.filter(lambda row: bool(row["text"].strip()))
+    return dataset.filter(lambda row: bool(row["text"] and row["text"].strip()))  # a record without text: skipped
 
 
 def packed_dataset(documents, tokenizer, block_size: int, docs_per_pack: int = 1000, num_proc: int | None = None):
@@ -224,7 +275,7 @@ def packed_dataset(documents, tokenizer, block_size: int, docs_per_pack: int = 1
                         desc=f"packing into blocks of {block_size}")
     if len(blocks) == 0:
         raise FinetuneError(f"the data holds fewer than {block_size} tokens: no block to train on; give more text or "
-                            "a smaller --block_size")
+                            "a smaller --block-size")
     return blocks
 
 
@@ -416,10 +467,19 @@ def training_arguments(args, training_argv: list[str]) -> TrainingArguments:
     if args.help_training:
         parser.print_help()
         raise SystemExit(0)
-    training_args, unknown = parser.parse_args_into_dataclasses(args=training_argv, return_remaining_strings=True)
+    try:
+        training_args, unknown = parser.parse_args_into_dataclasses(args=training_argv, return_remaining_strings=True)
+    except ValueError as error:  # TrainingArguments refuses a combination (e.g. --bf16 true on a CPU)
+        parser.error(one_line(error))
     if unknown:
         parser.error(f"unrecognized arguments: {' '.join(unknown)} (`lazy-finetune --help` and --help-training list "
                      "the options)")
+    for field in dataclasses.fields(training_args):  # a NaN learning rate trains a NaN model without a word
+        value = getattr(training_args, field.name)
+        if isinstance(value, float) and not math.isfinite(value):
+            parser.error(f"argument --{field.name.replace('_', '-')}: must be a finite number, got {value}")
+    if training_args.learning_rate < 0:
+        parser.error(f"argument --learning-rate: must be at least 0, got {training_args.learning_rate}")
     if args.auto_bf16 and not (training_args.bf16 or training_args.fp16) and torch.cuda.is_available() \
             and torch.cuda.is_bf16_supported():
         training_args.bf16 = True
@@ -428,7 +488,8 @@ def training_arguments(args, training_argv: list[str]) -> TrainingArguments:
 
 def check_data_and_resume(args, training_args: TrainingArguments) -> None:
     """What can be refused before the model loads: the data files (missing, empty, blank, not UTF-8), a
-    `--block-size` below 2, a `--resume-from-checkpoint` folder that does not exist. `FinetuneError`."""
+    `--block-size` below 2, an `--output-dir` that cannot be written, a `--resume-from-checkpoint` folder that
+    does not exist or is no checkpoint. `FinetuneError`."""
     for role, files in (("--train-file", args.train_file), ("--eval-file", args.eval_file)):
         for path in files:
             try:
@@ -437,10 +498,31 @@ def check_data_and_resume(args, training_args: TrainingArguments) -> None:
                 raise FinetuneError(str(error)) from None
     if args.block_size < 2:
         raise FinetuneError(f"--block-size must be at least 2 (a token and its successor), got {args.block_size}")
+    check_output_dir(training_args.output_dir)
     resume = training_args.resume_from_checkpoint
-    if resume is not None and resume.lower() not in ("last", "true") and not os.path.isdir(resume):
-        raise FinetuneError(f"--resume-from-checkpoint {resume}: no such checkpoint folder (give a checkpoint-N "
-                            "folder, or `last` for the newest one in --output-dir)")
+    if resume is not None and resume.lower() not in ("last", "true"):
+        if not os.path.isdir(resume):
+            raise FinetuneError(f"--resume-from-checkpoint {resume}: no such checkpoint folder (give a checkpoint-N "
+                                "folder, or `last` for the newest one in --output-dir)")
+        if not os.path.isfile(os.path.join(resume, TRAINER_STATE_NAME)):
+            raise FinetuneError(f"--resume-from-checkpoint {resume} is not a complete checkpoint (no "
+                                f"{TRAINER_STATE_NAME}): give a checkpoint-N folder that Trainer saved, or `last`")
+
+
+def check_output_dir(output_dir: str) -> None:
+    """`--output-dir` must be a folder (or not exist yet) where checkpoints can be written, beside which the final
+    model can be built (`save_final_model`). Creates its parent folders. `FinetuneError` otherwise."""
+    out = Path(output_dir).expanduser().resolve()
+    if out.exists() and not out.is_dir():
+        raise FinetuneError(f"--output-dir {output_dir} is a file, not a folder: give a folder path")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        temporary_folder(out).rmdir()  # where the final model is built
+        if out.is_dir() and not os.access(out, os.W_OK | os.X_OK):
+            raise PermissionError(13, "Permission denied", str(out))
+    except OSError as error:
+        raise FinetuneError(f"--output-dir {output_dir} cannot be written ({error.strerror or error}): choose a "
+                            "folder on a writable file system") from None
 
 
 def newest_complete_checkpoint(output_dir: str) -> tuple[str | None, list[str]]:
@@ -471,6 +553,45 @@ def check_block_size(block_size: int, config) -> None:
                             f"({config.max_position_embeddings}): use at most {config.max_position_embeddings}")
 
 
+TRAINING_ARGS_JSON = "training_args.json"
+
+
+def save_final_model(trainer: LazyTrainer, tokenizer, output_dir: str) -> None:
+    """Write the trained model (weights, config, tokenizer, `trainer_state.json`, the training arguments as
+    `training_args.json`) into a hidden folder beside `output_dir` and move it into place only when complete.
+
+    Only safetensors and JSON: Trainer's pickled `training_args.bin` is left out. Files are made shareable as the
+    converter makes its outputs. A new or empty `output_dir` is replaced by the finished folder in one rename; one
+    that already holds checkpoints (or an earlier model) receives the finished files one rename each,
+    `config.json` last, so it never holds a config beside half-moved weights. A failed write (a full or read-only
+    disk) leaves `output_dir` as it was and is a `FinetuneError`."""
+    target = Path(output_dir).expanduser().resolve()
+    tmp = temporary_folder(target)
+    try:
+        trainer.save_model(str(tmp))
+        if trainer.is_world_process_zero():
+            tokenizer.save_pretrained(tmp)
+            (tmp / TRAINING_ARGS_NAME).unlink(missing_ok=True)
+            (tmp / TRAINING_ARGS_JSON).write_text(trainer.args.to_json_string())
+            trainer.state.save_to_json(str(tmp / TRAINER_STATE_NAME))
+            make_shareable(tmp)
+            if not os.path.lexists(target) or is_empty_folder(target):
+                if not publish_folder(tmp, target):
+                    raise FinetuneError(f"{output_dir} was filled by another process while the final model was "
+                                        "written: nothing was replaced; run again with another --output-dir")
+            else:
+                for name in sorted((path.name for path in tmp.iterdir()), key=lambda name: name == "config.json"):
+                    os.replace(tmp / name, target / name)
+    except (OSError, SafetensorError) as error:  # safetensors reports a full disk as a SafetensorError
+        reason = getattr(error, "strerror", None) or one_line(error, 200)
+        where = f" ({error.filename})" if getattr(error, "filename", None) else ""
+        raise FinetuneError(f"cannot write the final model to {output_dir}: {reason}{where}; it was "
+                            "not changed (checkpoints, if any, are kept): free some space or choose another "
+                            "--output-dir") from None
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def finetune(args, training_args: TrainingArguments) -> LazyTrainer:
     """Everything `lazy-finetune` does: check the input, load, pack, train (resuming if asked), save, evaluate.
     Returns the trainer; `FinetuneError` for input it cannot train on (before any tokenising)."""
@@ -483,6 +604,8 @@ def finetune(args, training_args: TrainingArguments) -> LazyTrainer:
     model, tokenizer = load_model(args.model, args.tau_init, args.bias_init_std,
                                   distributed_config=distributed_config)
     check_block_size(args.block_size, model.config)
+    model = configure_trainable(model, args.mode, args.lora_r, args.lora_alpha, args.lora_dropout,
+                                args.lora_target_modules, args.lora_train_lazy)
     with training_args.main_process_first(desc="tokenising and packing"):
         train = packed_dataset(load_documents(args.train_file, args.text_column), tokenizer, args.block_size)
         evaluation = None
@@ -493,8 +616,6 @@ def finetune(args, training_args: TrainingArguments) -> LazyTrainer:
     if evaluation is not None and args.max_eval_blocks:
         evaluation = evaluation.select(range(min(args.max_eval_blocks, len(evaluation))))
 
-    model = configure_trainable(model, args.mode, args.lora_r, args.lora_alpha, args.lora_dropout,
-                                args.lora_target_modules, args.lora_train_lazy)
     probe = probe_from_blocks(evaluation if evaluation is not None else train, args.stats_tokens)
     trainer = build_trainer(model, training_args, train, evaluation, args.lazy_lr_multiplier, probe,
                             args.stats_every_n_logs)
@@ -507,11 +628,8 @@ def finetune(args, training_args: TrainingArguments) -> LazyTrainer:
         if resume is None:
             print(f"no complete checkpoint in {training_args.output_dir}: starting from scratch", file=sys.stderr)
     trainer.train(resume_from_checkpoint=resume)
-    with deferred_signals():  # an interrupt waits until the final model is written whole
-        trainer.save_model()
-        trainer.save_state()
-        if trainer.is_world_process_zero():
-            tokenizer.save_pretrained(training_args.output_dir)
+    with deferred_signals():  # an interrupt waits until the final model is in place
+        save_final_model(trainer, tokenizer, training_args.output_dir)
     if evaluation is not None:
         if trainer.is_world_process_zero():
             print(f"lazy-finetune: final evaluation on {len(evaluation)} blocks of {args.block_size} tokens ...",
@@ -542,8 +660,8 @@ def run(args, training_argv: list[str]) -> None:
     try:
         with terminations_as_interrupts():  # SIGTERM and SIGHUP stop the run as Ctrl-C does
             finetune(args, training_args)
-    except (FinetuneError, ModelNotFound) as error:
-        raise SystemExit(f"lazy-finetune: error: {error}") from None
+    except (FinetuneError, ModelNotFound, UnusableModel) as error:
+        raise SystemExit(f"lazy-finetune: error: {one_line(error, 1000)}") from None
     except KeyboardInterrupt:
         checkpoint, _ = newest_complete_checkpoint(training_args.output_dir)
         where = (f"the newest complete checkpoint is {checkpoint}: continue with --resume-from-checkpoint last"

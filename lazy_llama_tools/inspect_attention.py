@@ -254,6 +254,15 @@ def plot_attention_maps(entries: list[dict], views: list[dict], pairs: list[tupl
 # ------------------------------------------------------------------------------------------------------
 
 
+def check_map_layers(map_layers: list[int] | None, models) -> None:
+    """Refuse (ValueError) attention-map layers that some of `models` does not have, before any measuring."""
+    counts = [model.config.num_hidden_layers for model in models]
+    bad = [layer for layer in map_layers or () if not 0 <= layer < min(counts)]
+    if bad:
+        raise ValueError(f"map layers {bad} out of range (models have {counts} layers): give layers from 0 to "
+                         f"{min(counts) - 1}")
+
+
 def inspect_models(model, text_ids: torch.Tensor, out_dir: str | Path, *, name: str = "model", baseline=None,
                    baseline_name: str | None = None, text_file: str | None = None, map_tokens: int = 64,
                    map_layers: list[int] | None = None, repeated_length: int = 128, tile: int = TILE,
@@ -262,6 +271,7 @@ def inspect_models(model, text_ids: torch.Tensor, out_dir: str | Path, *, name: 
     `report.json` and the plots into `out_dir`, and return the report (see `inspect_report.schema.json`).
     `log`: a print-like function for progress lines (None: silent)."""
     out_dir = Path(out_dir)
+    check_map_layers(map_layers, [model] if baseline is None or isinstance(baseline, str) else [model, baseline])
     out_dir.mkdir(parents=True, exist_ok=True)
     device = next(model.parameters()).device
     text_ids = text_ids.to(device)
@@ -287,9 +297,6 @@ def inspect_models(model, text_ids: torch.Tensor, out_dir: str | Path, *, name: 
 
     layers = entry["num_layers"]
     map_layers = sorted({0, layers // 2, layers - 1}) if map_layers is None else map_layers
-    bad = [layer for layer in map_layers if not 0 <= layer < min(e["num_layers"] for e in entries)]
-    if bad:
-        raise ValueError(f"map layers {bad} out of range (models have {[e['num_layers'] for e in entries]} layers)")
     pairs = _pick_map_heads(entry, map_layers)
     if log is not None:
         log(f"writing the plots and report.json to {out_dir} ...")
@@ -362,12 +369,23 @@ def main(argv: list[str] | None = None) -> int:
     return run(inspect_parser().parse_args(argv))
 
 
+def parse_map_layers(text: str | None) -> list[int] | None:
+    """`--map-layers 0,15,29` as a list of ints (None when not given); ValueError for anything else."""
+    if not text:
+        return None
+    try:
+        return [int(part) for part in text.split(",")]
+    except ValueError:
+        raise ValueError(f"--map-layers takes comma-separated layer numbers (e.g. 0,15,29), got {text!r}") from None
+
+
 def run(args) -> int:
     """Inspect as the parsed `lazy-inspect` arguments say; returns the exit status."""
     def log(message: str) -> None:  # progress on stderr: stdout carries the summary
         print(f"lazy-inspect: {message}", file=sys.stderr, flush=True)
 
     try:
+        map_layers = parse_map_layers(args.map_layers)
         log(f"loading {args.model} ...")
         model = load_causal_lm(args.model, role="model", device=args.device, dtype=args.dtype)
         baseline = None
@@ -376,6 +394,7 @@ def run(args) -> int:
         elif args.baseline:
             log(f"loading the baseline {args.baseline} ...")
             baseline = load_causal_lm(args.baseline, role="baseline", device=args.device, dtype=args.dtype)
+        check_map_layers(map_layers, [model] if baseline is None or isinstance(baseline, str) else [model, baseline])
         tokenizer = load_tokenizer(args.tokenizer or args.model)
         if baseline is not None and not isinstance(baseline, str):
             check_same_vocabulary(tokenizer, model, baseline, args.baseline)
@@ -388,13 +407,12 @@ def run(args) -> int:
         if ids.numel() < needed:
             raise ValueError(f"{args.text} gives {ids.numel()} tokens; --tokens {args.tokens} x --windows "
                              f"{args.windows} needs {needed}: lower them or give a longer text")
-        map_layers = [int(x) for x in args.map_layers.split(",")] if args.map_layers else None
         report = inspect_models(
             model, ids.view(args.windows, args.tokens), args.out, name=args.model, baseline=baseline,
             baseline_name=args.baseline, text_file=args.text, map_tokens=args.map_tokens, map_layers=map_layers,
             repeated_length=args.repeated_length, log=log,
         )
-    except (ValueError, OSError) as error:  # NotALazyLlama and ModelNotFound are ValueErrors
+    except (ValueError, OSError) as error:  # NotALazyLlama, ModelNotFound and UnusableModel are ValueErrors
         raise SystemExit(f"lazy-inspect: error: {error}") from None
     print(summary(report, args.out))
     return 0

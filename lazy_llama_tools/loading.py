@@ -7,11 +7,15 @@ what to do.
 """
 
 import codecs
+import json
+import os
 import re
 from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+from huggingface_hub.errors import StrictDataclassError
+from safetensors import SafetensorError
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
 LAZY_TYPE = "lazy_llama"
@@ -25,6 +29,26 @@ class NotALazyLlama(ValueError):
 
 class ModelNotFound(ValueError):
     """Neither a local model folder nor a Hub repository that could be loaded."""
+
+
+class UnusableModel(ValueError):
+    """A model folder whose files cannot be loaded: missing, corrupt or inconsistent."""
+
+
+# What `from_pretrained` raises for missing, corrupt or inconsistent files (truncated safetensors, a missing shard,
+# config.json that is not JSON or not an object, a tensor shape that disagrees with config.json, a RoPE entry
+# without its fields, a value the config class rejects).
+LOAD_ERRORS = (OSError, ValueError, TypeError, KeyError, RuntimeError, SafetensorError, StrictDataclassError)
+
+
+def one_line(error: BaseException, limit: int = 400) -> str:
+    """The message of `error` on one line (a KeyError names the missing field), cut to `limit` characters."""
+    if isinstance(error, KeyError) and error.args:  # str(KeyError) is the bare key, quoted
+        key = error.args[0]
+        text = " ".join(key.split()) if isinstance(key, str) and " " in key else f"missing field {key!r}"
+    else:
+        text = " ".join(str(error).split()) or type(error).__name__
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 # ------------------------------------------------------------------------------------------------ arguments
@@ -69,17 +93,34 @@ def check_model_reference(name: str) -> None:
 
 @contextmanager
 def missing_model_explained(name: str):
-    """Run a `from_pretrained(name)`; a failure for a name that is no local folder says so, instead of
-    transformers' message about a Hub connection or repository id."""
+    """Run a `from_pretrained(name)`; a failure for a name that is no local folder says so (`ModelNotFound`),
+    instead of transformers' message about a Hub connection or repository id; a folder whose files cannot be
+    loaded (`LOAD_ERRORS`) is `UnusableModel`, one line naming the folder and the cause."""
     check_model_reference(name)
     try:
         yield
+    except (ModelNotFound, NotALazyLlama, UnusableModel):
+        raise
     except OSError as error:
         if Path(name).expanduser().exists():
-            raise
+            raise _unusable(name, error) from error
         first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise ModelNotFound(f"{name} is not a local folder, and loading it as a Hub repository id failed: "
                             f"{first}") from error
+    except LOAD_ERRORS as error:
+        raise _unusable(name, error) from error
+
+
+def _unusable(name: str, error: BaseException) -> UnusableModel:
+    detail = one_line(error)
+    config = Path(name).expanduser() / "config.json"
+    try:
+        if config.is_file() and not isinstance(json.loads(config.read_text(encoding="utf-8")), dict):
+            detail = "config.json does not hold a JSON object"
+    except ValueError:  # not JSON: transformers' message says so
+        pass
+    return UnusableModel(f"{name} cannot be loaded: {detail} (its files are missing, corrupt or inconsistent: save "
+                         "or convert the model again)")
 
 
 def without_gguf_quantization(config):
@@ -100,8 +141,8 @@ def load_causal_lm(name: str, *, role: str = "model", device: str | torch.device
     """Load `name` (a folder or Hub id) as a causal LM in eval mode on `device`.
 
     `dtype`: a name of `DTYPES`, or `"auto"` for the dtype the checkpoint stores. `role="model"` accepts only a
-    LazyLlama; `role="baseline"` also accepts a vanilla Llama. Raises
-    `NotALazyLlama` or `ModelNotFound` with an actionable message otherwise.
+    LazyLlama; `role="baseline"` also accepts a vanilla Llama. Raises `NotALazyLlama`, `ModelNotFound` or
+    `UnusableModel` (missing, corrupt or inconsistent files) with an actionable message otherwise.
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -125,7 +166,8 @@ def load_causal_lm(name: str, *, role: str = "model", device: str | torch.device
         else:
             hint = "A baseline must be a LazyLlama or a vanilla Llama (same tokenizer as MODEL)."
         raise NotALazyLlama(f"{name} is a {model_type!r} model, not a LazyLlama ({LAZY_TYPE!r}). {hint}")
-    model = AutoModelForCausalLM.from_pretrained(name, config=config, dtype=DTYPES.get(dtype, dtype))
+    with missing_model_explained(name):
+        model = AutoModelForCausalLM.from_pretrained(name, config=config, dtype=DTYPES.get(dtype, dtype))
     return model.to(device).eval()
 
 
@@ -166,6 +208,20 @@ def check_same_vocabulary(tokenizer, model, baseline, baseline_name: str) -> Non
 
 
 # ------------------------------------------------------------------------------------------------ text
+
+
+def check_output_file(path: str | Path, what: str = "output file") -> None:
+    """Refuse (ValueError) an output file that could not be written, before the work that produces it: a folder,
+    a missing parent folder, or one this process cannot write to."""
+    path = Path(path)
+    parent = path.parent if str(path.parent) else Path(".")
+    if path.is_dir():
+        raise ValueError(f"{what} {path} is a folder: give a file name")
+    if not parent.is_dir():
+        raise ValueError(f"{what} {path}: folder {parent} does not exist; create it or choose another path")
+    if not os.access(parent, os.W_OK | os.X_OK) or path.exists() and not os.access(path, os.W_OK):
+        raise ValueError(f"{what} {path} cannot be written (no permission, or a read-only file system); "
+                         "choose another path")
 
 
 def check_text_file(path: str | Path, what: str = "text file") -> None:

@@ -365,10 +365,19 @@ def main(argv=None) -> dict:
                         help="pair each cell PREFIX-NAME with PREFIX-REFERENCE and PREFIX-LAZY (e.g. ctx64-vanilla)")
     args = parser.parse_args(argv)
     if args.bias_tail:
+        if not args.folder.is_file():
+            raise SystemExit(f"study_summary: error: {args.folder}: no such results.json file")
         report = bias_tail(args.folder, *args.bias_tail)
         print(json.dumps(report, indent=1))
         return report
-    summary = summarise(load_grid(args.folder), args.reference, args.lazy, args.by_prefix)
+    if not args.folder.is_dir():
+        raise SystemExit(f"study_summary: error: {args.folder}: no such folder (give the --grid folder of "
+                         "lazy_llama_tools.replicate)")
+    cells = load_grid(args.folder)
+    if not cells:
+        raise SystemExit(f"study_summary: error: {args.folder} holds no finished run (CELL/seedS/results.json "
+                         "with \"finished\": true): nothing to summarise")
+    summary = summarise(cells, args.reference, args.lazy, args.by_prefix)
     (args.folder / "summary.json").write_text(json.dumps(summary, indent=1))
     table = markdown(summary, args.reference, args.lazy)
     if args.by_prefix:

@@ -89,6 +89,11 @@ def test_finetune_takes_the_old_spellings_with_one_deprecation_line(capsys):
     (["m", "--model-name-or-path", "n", "--train-file", "a"], "give the model once"),
     (["--output-dir", "out", "m", "--train-file", "a"], "MODEL must be the first argument"),
     (["m", "--train-file", "a", "--lora-train-lazy", "maybe"], "expected true or false, got 'maybe'"),
+    (["m", "--train-file", "a", "--tau-init", "nan"], "argument --tau-init: must be a finite number, got nan"),
+    (["m", "--train-file", "a", "--lazy-lr-multiplier", "nan"], "--lazy-lr-multiplier: must be a finite number"),
+    (["m", "--train-file", "a", "--bias-init-std", "-5"], "--bias-init-std: must be at least 0.0, got -5"),
+    (["m", "--train-file", "a", "--lora-dropout", "5"], "--lora-dropout: must be less than 1.0, got 5"),
+    (["m", "--train-file", "a", "--stats-tokens", "1"], "--stats-tokens: must be at least 2, got 1"),
 ])
 def test_finetune_refuses_bad_command_lines_in_one_line(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
@@ -114,3 +119,35 @@ def test_finetune_training_options_reach_training_arguments(tmp_path):
     args, rest = cli.parse_finetune(["m", "--train-file", "a", "--output-dir", str(tmp_path), "--no-such-option"])
     with pytest.raises(SystemExit):
         training_arguments(args, rest)
+
+
+@pytest.mark.parametrize("option, message", [
+    (["--learning-rate", "nan"], "argument --learning-rate: must be a finite number, got nan"),
+    (["--weight-decay", "inf"], "argument --weight-decay: must be a finite number, got inf"),
+    (["--learning-rate", "-1"], "argument --learning-rate: must be at least 0"),
+])
+def test_finetune_training_options_are_checked_when_parsed(tmp_path, option, message, capsys):
+    """TrainingArguments takes NaN learning rates (a NaN model) and raises tracebacks for bad combinations:
+    both are one line, exit status 2, before anything loads."""
+    from lazy_llama_tools.finetune import training_arguments
+
+    args, rest = cli.parse_finetune(["m", "--train-file", "a", "--output-dir", str(tmp_path), *option])
+    with pytest.raises(SystemExit) as exit_info:
+        training_arguments(args, rest)
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err.strip().splitlines()[-1]
+
+
+def test_finetune_bf16_without_support_is_one_line(tmp_path, capsys, monkeypatch):
+    import transformers.training_args
+
+    monkeypatch.setattr(transformers.training_args, "is_torch_bf16_gpu_available", lambda: False)
+    from lazy_llama_tools.finetune import training_arguments
+
+    args, rest = cli.parse_finetune(["m", "--train-file", "a", "--output-dir", str(tmp_path), "--bf16", "true",
+                                     "--use-cpu", "false"])
+    with pytest.raises(SystemExit) as exit_info:
+        training_arguments(args, rest)
+    assert exit_info.value.code == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith("lazy-finetune: error:") and "bf16" in last.lower()

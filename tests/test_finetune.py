@@ -351,3 +351,140 @@ def test_a_stale_gguf_quantization_note_does_not_stop_training_or_saving(workspa
     loaded = load_causal_lm(str(folder), device="cpu")
     assert not getattr(loaded, "is_quantized", False)
     loaded.save_pretrained(tmp_path / "again")
+
+
+def _refusal(argv) -> str:
+    with pytest.raises(SystemExit) as exit_info:
+        finetune.main(argv)
+    text = str(exit_info.value.code)
+    assert text.startswith("lazy-finetune: error:") and "\n" not in text, (argv, text)
+    return text
+
+
+def _model_copy(workspace, folder, **config_changes) -> str:
+    import shutil
+
+    shutil.copytree(workspace["model_dir"], folder)
+    if config_changes:
+        config = json.loads((folder / "config.json").read_text())
+        (folder / "config.json").write_text(json.dumps({**config, **config_changes}))
+    return str(folder)
+
+
+def test_unusable_or_foreign_model_folders_are_refused_in_one_line_before_any_model_is_built(workspace, tmp_path,
+                                                                                              monkeypatch):
+    """Missing or corrupt files, a config LazyLlamaConfig rejects, no tokenizer, and checkpoints that are no Llama
+    (refused by the converter's own check): one line each; a foreign architecture before any model is built."""
+    def no_training(*args, **kwargs):
+        raise AssertionError("the model should have been refused before tokenising")
+
+    monkeypatch.setattr(finetune, "packed_dataset", no_training)
+    common = ["--train-file", str(workspace["files"]["train"]), "--output-dir", str(tmp_path / "out"),
+              "--block-size", str(BLOCK), "--max-steps", "1", "--report-to", "none", "--use-cpu", "true"]
+    no_weights = _model_copy(workspace, tmp_path / "noweights")
+    os.remove(os.path.join(no_weights, "model.safetensors"))
+    not_json = _model_copy(workspace, tmp_path / "notjson")
+    Path(not_json, "config.json").write_text("{bad")
+    null = _model_copy(workspace, tmp_path / "null")
+    Path(null, "config.json").write_text("null")
+    truncated = _model_copy(workspace, tmp_path / "truncated")
+    weights = Path(truncated, "model.safetensors")
+    weights.write_bytes(weights.read_bytes()[:-100])
+    no_tokenizer = _model_copy(workspace, tmp_path / "notokenizer")
+    for path in Path(no_tokenizer).glob("tokenizer*"):
+        path.unlink()
+    cases = [
+        (no_weights, "noweights cannot be loaded: Error no file named model.safetensors"),
+        (not_json, "is not a valid JSON file"),
+        (null, "null cannot be loaded: config.json does not hold a JSON object"),
+        (truncated, "truncated cannot be loaded:"),
+        (no_tokenizer, "no tokenizer could be loaded from"),
+        (_model_copy(workspace, tmp_path / "heads", num_key_value_heads=3), "a multiple of num_key_value_heads"),
+        (_model_copy(workspace, tmp_path / "window", lazy_bias_window=256.5), "lazy_bias_window"),
+    ]
+    for model, message in cases:
+        assert message in _refusal([model, *common]), model
+
+    def built(*args, **kwargs):
+        raise AssertionError("a model was built for a checkpoint that is no Llama")
+
+    monkeypatch.setattr(modeling_lazy.LazyLlamaForCausalLM, "from_pretrained", built)
+    foreign = [
+        (dict(model_type="qwen2", architectures=["Qwen2ForCausalLM"]), "unsupported architecture: model_type 'qwen2'"),
+        (dict(model_type="llama", sliding_window=8), "sliding-window attention"),
+        (dict(model_type="gpt2", architectures=["GPT2LMHeadModel"]), "model_type 'gpt2'"),
+    ]
+    for index, (changes, message) in enumerate(foreign):
+        text = _refusal([_model_copy(workspace, tmp_path / f"foreign{index}", **changes), *common])
+        assert message in text and "lazy-finetune trains a LazyLlama, or a Llama" in text
+
+
+def test_bad_data_and_options_are_refused_in_one_line(workspace, tmp_path, monkeypatch):
+    """Malformed JSON lines, a record whose text is no string, an --output-dir that is a file or cannot be written,
+    a folder that is no checkpoint, LoRA target modules the model lacks."""
+    import errno
+
+    (tmp_path / "bad.jsonl").write_text('{"text": "hello"}\nnot json\n')
+    (tmp_path / "number.jsonl").write_text('{"text": 5}\n')
+    with pytest.raises(finetune.FinetuneError, match=r"bad.jsonl: not valid JSON lines \(.*\): give one JSON object"):
+        load_documents([str(tmp_path / "bad.jsonl")])
+    with pytest.raises(finetune.FinetuneError, match="field 'text' must hold text"):
+        load_documents([str(tmp_path / "number.jsonl")])
+    with pytest.raises(finetune.FinetuneError, match="pass --text-column"):
+        load_documents([str(workspace["files"]["eval"])], text_column="body")
+    with pytest.raises(finetune.FinetuneError, match="LoRA cannot be set up with target modules"):
+        configure_trainable(fresh_model(workspace), "lora", lora_target_modules=["nope"])
+
+    def no_training(*args, **kwargs):
+        raise AssertionError("the input should have been refused before tokenising")
+
+    monkeypatch.setattr(finetune, "packed_dataset", no_training)
+    (tmp_path / "afile").write_text("x")
+    (tmp_path / "notacheckpoint").mkdir()
+    model, train = str(workspace["model_dir"]), str(workspace["files"]["train"])
+    common = [model, "--train-file", train, "--block-size", str(BLOCK), "--max-steps", "1", "--report-to", "none",
+              "--use-cpu", "true"]
+    assert "is a file, not a folder" in _refusal([*common, "--output-dir", str(tmp_path / "afile")])
+    assert "is not a complete checkpoint (no trainer_state.json)" in _refusal(
+        [*common, "--output-dir", str(tmp_path / "o"), "--resume-from-checkpoint", str(tmp_path / "notacheckpoint")])
+
+    def read_only(target):
+        raise OSError(errno.EROFS, "Read-only file system", str(target))
+
+    monkeypatch.setattr(finetune, "temporary_folder", read_only)
+    assert "cannot be written (Read-only file system)" in _refusal([*common, "--output-dir", str(tmp_path / "ro")])
+
+
+def test_final_model_is_built_beside_the_output_and_holds_no_pickle(workspace, tmp_path, monkeypatch):
+    """The final save goes to a hidden folder beside --output-dir and moves in when complete: a save that fails
+    (a full disk) leaves a fresh output folder absent, with one line; a finished one holds safetensors and JSON
+    only (no training_args.bin), with the modes the umask allows, as the converter's outputs."""
+    import errno
+    import stat
+
+    out = tmp_path / "out"
+    argv = [str(workspace["model_dir"]), "--train-file", str(workspace["files"]["train"]), "--output-dir", str(out),
+            "--block-size", str(BLOCK), "--max-train-blocks", "2", "--per-device-train-batch-size", "2",
+            "--max-steps", "1", "--save-strategy", "no", "--report-to", "none", "--disable-tqdm", "true",
+            "--use-cpu", "true", "--dataloader-num-workers", "0", "--stats-tokens", "16"]
+    save = finetune.LazyTrainer.save_model
+
+    def disk_full(self, output_dir=None, _internal_call=False):
+        save(self, output_dir, _internal_call)
+        raise OSError(errno.ENOSPC, "No space left on device", output_dir)
+
+    monkeypatch.setattr(finetune.LazyTrainer, "save_model", disk_full)
+    assert "cannot write the final model to" in _refusal(argv)
+    assert not out.exists() or not any(out.iterdir())
+    assert [path.name for path in tmp_path.iterdir() if path.name.startswith(".")] == []
+
+    monkeypatch.setattr(finetune.LazyTrainer, "save_model", save)
+    finetune.main(argv)
+    names = {path.name for path in out.iterdir()}
+    assert {"model.safetensors", "config.json", "trainer_state.json", finetune.TRAINING_ARGS_JSON} <= names
+    assert not [name for name in names if name.endswith((".bin", ".pt", ".pth", ".pkl"))], names
+    assert json.loads((out / finetune.TRAINING_ARGS_JSON).read_text())["max_steps"] == 1
+    umask = os.umask(0)
+    os.umask(umask)
+    assert stat.S_IMODE((out / "model.safetensors").stat().st_mode) == 0o666 & ~umask
+    assert [path.name for path in tmp_path.iterdir() if path.name.startswith(".")] == []

@@ -446,3 +446,60 @@ def test_inspect_and_evaluate_on_cuda(tiny, tmp_path):
     _check_schema(report)
     evaluate.main([str(tiny["lazy"]), "--text", str(tiny["text"]), "--device", "cuda", "--max-tokens", "40",
                    "--context", "16", "--stride", "8", "--no-progress"])
+
+
+def _broken_copy(tiny, folder: Path, **config_changes) -> str:
+    import shutil
+
+    shutil.copytree(tiny["lazy"], folder)
+    if config_changes:
+        config = json.loads((folder / "config.json").read_text())
+        (folder / "config.json").write_text(json.dumps({**config, **config_changes}))
+    return str(folder)
+
+
+def test_corrupt_or_inconsistent_model_folders_are_refused_in_one_line(tiny, tmp_path, capsys):
+    """Truncated weights, a missing shard, a tensor shape that disagrees with config.json, a RoPE entry without its
+    fields, a window the config class rejects, a config.json that is no object: one line each, in both tools."""
+    text = str(tiny["text"])
+    truncated = _broken_copy(tiny, tmp_path / "truncated")
+    weights = Path(truncated, "model.safetensors")
+    weights.write_bytes(weights.read_bytes()[:-100])
+    sharded = tmp_path / "sharded"
+    LazyLlamaForCausalLM.from_pretrained(tiny["lazy"]).save_pretrained(sharded, max_shard_size="20KB")
+    tiny["tokenizer"].save_pretrained(sharded)
+    sorted(sharded.glob("model-*.safetensors"))[1].unlink()
+    null = _broken_copy(tiny, tmp_path / "null")
+    Path(null, "config.json").write_text("null")
+    cases = [
+        (truncated, "truncated cannot be loaded:"),
+        (str(sharded), "sharded cannot be loaded:"),
+        (_broken_copy(tiny, tmp_path / "shape", intermediate_size=48), "shape cannot be loaded:"),
+        (_broken_copy(tiny, tmp_path / "yarn", rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0}),
+         "yarn cannot be loaded:"),
+        (_broken_copy(tiny, tmp_path / "window", lazy_bias_window=256.5), "lazy_bias_window"),
+        (null, "config.json does not hold a JSON object"),
+    ]
+    for model, message in cases:
+        for tool, extra in ((evaluate, ["--context", "16", "--max-tokens", "40", "--no-progress"]),
+                            (inspect_attention, ["--tokens", "40", "--out", str(tmp_path / "out")])):
+            error = _error_of(tool, [model, "--text", text, *extra], capsys)
+            assert message in error and "\n" not in error, (model, error)
+
+
+def test_unwritable_outputs_and_bad_map_layers_are_refused_before_any_measuring(tiny, tmp_path, capsys, monkeypatch):
+    def measured(*args, **kwargs):
+        raise AssertionError("the arguments should have been refused before measuring")
+
+    monkeypatch.setattr(evaluate, "evaluate_perplexity", measured)
+    monkeypatch.setattr(inspect_attention, "attention_statistics", measured)
+    lazy, text = str(tiny["lazy"]), str(tiny["text"])
+    for target, message in ((tmp_path / "no" / "such" / "r.json", "does not exist; create it"),
+                            (tmp_path, "is a folder: give a file name")):
+        error = _error_of(evaluate, [lazy, "--text", text, "--context", "16", "--json", str(target)], capsys)
+        assert error.startswith("lazy-evaluate: error: --json") and message in error, error
+    for layers, message in (("99", "map layers [99] out of range (models have [2] layers)"),
+                            ("one", "--map-layers takes comma-separated layer numbers")):
+        error = _error_of(inspect_attention, [lazy, "--text", text, "--tokens", "40", "--map-layers", layers,
+                                              "--out", str(tmp_path / "out")], capsys)
+        assert message in error, error

@@ -368,3 +368,31 @@ def test_four_dimensional_mask_is_refused():
 def test_auto_config_resolves_lazy_llama():
     config = AutoConfig.for_model("lazy_llama", hidden_size=32, num_attention_heads=4)
     assert isinstance(config, LazyLlamaConfig)
+
+
+@pytest.mark.parametrize("bad, message", [
+    (dict(lazy_bias_window=0), "lazy_bias_window"),
+    (dict(num_key_value_heads=3), "num_key_value_heads"),
+    (dict(lazy_tau_init=float("nan")), "lazy_tau_init"),
+    (dict(lazy_bias_init_std=-5.0), "lazy_bias_init_std"),
+])
+def test_from_pretrained_keyword_arguments_are_validated_too(tmp_path, bad, message):
+    """`from_pretrained(dir, **kwargs)` sets its keyword arguments after construction: they are checked as well,
+    through `LazyLlamaConfig` and through `AutoConfig`."""
+    tiny_config(num_attention_heads=4, num_key_value_heads=2).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=message):
+        LazyLlamaConfig.from_pretrained(tmp_path, **bad)
+    with pytest.raises(ValueError, match=message):
+        AutoConfig.from_pretrained(tmp_path, **bad)
+    assert LazyLlamaConfig.from_pretrained(tmp_path, lazy_bias_window=7).lazy_bias_window == 7
+
+
+def test_a_value_set_afterwards_is_refused_before_it_is_saved(tmp_path):
+    """`validate()` (which `save_pretrained` runs) includes the LazyLlama checks: nothing is written."""
+    from huggingface_hub.errors import StrictDataclassClassValidationError
+
+    config = tiny_config()
+    config.lazy_bias_window = 0
+    with pytest.raises(StrictDataclassClassValidationError, match="lazy_bias_window must be an integer >= 1"):
+        config.save_pretrained(tmp_path / "out")
+    assert not (tmp_path / "out" / "config.json").exists()

@@ -273,3 +273,17 @@ def test_attention_figures_are_paired_by_seed(tmp_path):
     summary = study_summary.main([str(tmp_path)])
     d = summary["lazy"]["paired"]["d_sink_share"]
     assert d["values"] == pytest.approx([0.01] * 3) and d["ci95"] == pytest.approx([0.01, 0.01])
+
+
+def test_a_missing_or_empty_grid_is_one_line_and_writes_nothing(tmp_path):
+    for folder, message in ((tmp_path / "nowhere", "no such folder"), (tmp_path, "holds no finished run")):
+        with pytest.raises(SystemExit) as exit_info:
+            study_summary.main([str(folder)])
+        text = str(exit_info.value.code)
+        assert text.startswith("study_summary: error:") and message in text and "\n" not in text, text
+    write_run(tmp_path, "lazy", 0, 10.0, finished=False)  # an unfinished run is not a result either
+    with pytest.raises(SystemExit, match="holds no finished run"):
+        study_summary.main([str(tmp_path)])
+    assert not (tmp_path / "summary.json").exists() and not (tmp_path / "summary.md").exists()
+    with pytest.raises(SystemExit, match="no such results.json file"):
+        study_summary.main([str(tmp_path / "results.json"), "--bias-tail", "0", "4"])
