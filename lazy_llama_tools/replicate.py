@@ -42,6 +42,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.modeling_utils import AttentionInterface
 
+from lazy_llama_tools.cli import at_least, finite_float, positive_int
 from lazy_llama_tools.data import brown_documents, pack_token_blocks
 from lazy_llama_tools.metrics import (
     attention_statistics,
@@ -555,25 +556,29 @@ def parse_args(argv=None):
     parser.add_argument("--out", type=Path, default=Path("runs/replicate"), help="output folder")
     parser.add_argument("--variants", nargs="+", default=list(PAPER_VARIANTS), choices=list(VARIANTS),
                         help="; ".join(f"{k}: {v}" for k, v in VARIANTS.items()))
-    parser.add_argument("--steps", type=int, default=350, help="optimizer steps per variant")
-    parser.add_argument("--steps-factor", type=int, default=1, help="multiply --steps (for a grid's longer cells)")
-    parser.add_argument("--batch-size", type=int, default=16, help="blocks per step")
-    parser.add_argument("--context", type=int, default=128, help="training length T (bytes); eval at T, 2T, 4T")
-    parser.add_argument("--hidden-size", type=int, default=128)
-    parser.add_argument("--intermediate-size", type=int, default=384)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--lr", type=float, default=2e-3, help="peak learning rate, the same for every variant")
-    parser.add_argument("--weight-decay", type=float, default=0.1)
+    parser.add_argument("--steps", type=positive_int, default=350, help="optimizer steps per variant")
+    parser.add_argument("--steps-factor", type=positive_int, default=1,
+                        help="multiply --steps (for a grid's longer cells)")
+    parser.add_argument("--batch-size", type=positive_int, default=16, help="blocks per step")
+    parser.add_argument("--context", type=positive_int, default=128,
+                        help="training length T (bytes); eval at T, 2T, 4T")
+    parser.add_argument("--hidden-size", type=positive_int, default=128)
+    parser.add_argument("--intermediate-size", type=positive_int, default=384)
+    parser.add_argument("--layers", type=positive_int, default=4)
+    parser.add_argument("--heads", type=positive_int, default=4)
+    parser.add_argument("--lr", type=at_least(0.0, float, strictly=True), default=2e-3,
+                        help="peak learning rate, the same for every variant")
+    parser.add_argument("--weight-decay", type=at_least(0.0, float), default=0.1)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--tau-init", type=float, default=-1.0, help="initial tau of lazy, tau_only, norelu")
-    parser.add_argument("--bias-window", type=int, default=None, help="distance-bias window W (default: --context)")
+    parser.add_argument("--tau-init", type=finite_float, default=-1.0, help="initial tau of lazy, tau_only, norelu")
+    parser.add_argument("--bias-window", type=positive_int, default=None,
+                        help="distance-bias window W (default: --context)")
     parser.add_argument("--gain-init", type=float, default=1.0,
                         help="initial head gain of the `gain` and `loggain` variants")
     parser.add_argument("--gain-lr", type=float, default=5e-2,
                         help="peak learning rate of `loggain`'s log gains (same schedule as --lr)")
     parser.add_argument("--small-oinit", type=float, default=0.02, help="o_proj init factor of `small_oinit`")
-    parser.add_argument("--eval-span", type=int, default=max(EXTRAPOLATION),
+    parser.add_argument("--eval-span", type=positive_int, default=max(EXTRAPOLATION),
                         help="bytes of each test document evaluated, in multiples of --context")
     parser.add_argument("--sliding", type=int, default=0,
                         help="also evaluate with windows every 1/k window (0: only non-overlapping windows)")
@@ -581,20 +586,26 @@ def parse_args(argv=None):
                         help="lengths (multiples of --context) at which attention statistics are measured")
     parser.add_argument("--train-docs", type=int, default=None, help="use only the first N Brown-train documents")
     parser.add_argument("--eval-docs", type=int, default=None, help="use only the first N Brown-test documents")
-    parser.add_argument("--stats-blocks", type=int, default=16, help="test blocks for the attention statistics")
-    parser.add_argument("--threads", type=int, default=1,
+    parser.add_argument("--stats-blocks", type=positive_int, default=16,
+                        help="test blocks for the attention statistics")
+    parser.add_argument("--threads", type=positive_int, default=1,
                         help="torch.set_num_threads (1: on a shared 2-core machine 2 threads ran 7x slower)")
-    parser.add_argument("--log-every", type=int, default=25)
+    parser.add_argument("--log-every", type=positive_int, default=25)
     parser.add_argument("--no-plots", action="store_true")
     parser.add_argument("--grid", choices=list(GRIDS), default=None,
                         help="run a grid of configurations (one process each, results under --out/CELL/seedS)")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0], help="seeds of a --grid")
-    parser.add_argument("--jobs", type=int, default=1, help="grid cells run at once")
+    parser.add_argument("--jobs", type=positive_int, default=1, help="grid cells run at once")
     parser.add_argument("--order", choices=("seed", "cell"), default="seed",
                         help="grid order: all cells of one seed first, or all seeds of one cell first")
     parser.add_argument("--nice", type=int, default=19, help="niceness of a grid's processes")
     parser.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)  # set by the grid itself
     args = parser.parse_args(argv)
+    if args.hidden_size % args.heads or (args.hidden_size // args.heads) % 2:
+        parser.error(f"--hidden-size ({args.hidden_size}) must split into --heads ({args.heads}) heads of an even "
+                     "size (rotary embeddings rotate pairs of channels)")
+    if args.out.exists() and not args.out.is_dir():
+        parser.error(f"--out {args.out} is a file: give a folder (it is created if missing)")
     if "loggain" in args.variants and args.gain_init <= 0:
         parser.error(f"--gain-init must be > 0 for `loggain` (its gain is exp(g), g = log of it); got {args.gain_init}")
     args.steps *= args.steps_factor

@@ -4,6 +4,8 @@ so the script never rots. The real run and its numbers are in REPLICATION.md."""
 import json
 import math
 
+import pytest
+
 from lazy_llama_tools import replicate
 
 TINY = ["--steps", "12", "--batch-size", "4", "--context", "32", "--hidden-size", "32", "--intermediate-size", "64",
@@ -46,3 +48,12 @@ def test_replicate_smoke(tmp_path):
     # Vanilla has no exact zeros; Elastic-Softmax with tau < 0 does.
     assert results["runs"]["vanilla"]["eval"]["attention"]["mean"]["sparsity"] == 0.0
     assert results["runs"]["lazy"]["eval"]["attention"]["mean"]["sparsity"] > 0.0
+
+
+@pytest.mark.parametrize("arguments, message", [
+    (["--heads", "3"], "must split into --heads (3) heads of an even size"), (["--steps", "0"], "must be at least 1"),
+    (["--lr", "nan"], "must be a finite number"), (["--out", "README.md"], "is a file: give a folder")])
+def test_bad_arguments_are_refused_in_one_line_before_any_work(arguments, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        replicate.parse_args(arguments)
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
