@@ -43,7 +43,7 @@ from safetensors import SafetensorError
 from transformers import Trainer, TrainerCallback, TrainingArguments
 from transformers.trainer import TRAINER_STATE_NAME, TRAINING_ARGS_NAME
 
-from conversion.convert_llama_to_lazy import EXACT_TAU_INIT, ConversionError, make_shareable, check_llama_config
+from conversion.convert_llama_to_lazy import EXACT_TAU_INIT, ConversionError, check_llama_config, make_shareable
 from lazy_llama_tools.cli import DEFAULT_LORA_TARGETS
 from lazy_llama_tools.cli import FINETUNE_MODES as MODES
 from lazy_llama_tools.data import pack_token_blocks
