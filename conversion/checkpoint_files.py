@@ -1,5 +1,7 @@
 """The files of a LazyLlama checkpoint folder: what the converter writes and what `lazy-push` uploads by default."""
 
+from pathlib import PurePath
+
 CONFIG_FILE = "config.json"
 GENERATION_CONFIG_FILE = "generation_config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -18,3 +20,9 @@ TOKENIZER_FILES = (
     "chat_template.jinja",
     "chat_template.json",
 )
+
+
+def names_outside_folder(names) -> list[str]:
+    """The file names of a weight index that leave its folder (absolute, or through `..`): an index, which may come
+    from anywhere, only names files beside it."""
+    return [name for name in names if PurePath(name).is_absolute() or ".." in PurePath(name).parts]

@@ -50,6 +50,7 @@ from conversion.checkpoint_files import (
     TOKENIZER_FILES,
     WEIGHTS_FILE,
     WEIGHTS_INDEX,
+    names_outside_folder,
 )
 from conversion.model_card import write_model_card
 from lazy_llama_tools.cli import DEFAULT_BIAS_WINDOW, SEED_LIMIT, VERIFY_TOLERANCE, convert_parser, parse_size
@@ -236,7 +237,7 @@ def source_weight_files(source: Path) -> tuple[str, list[Path]]:
                     f"names, got a {type(weight_map).__name__}."
                 )
             files = sorted(set(weight_map.values()))
-            outside = [name for name in files if Path(name).is_absolute() or ".." in Path(name).parts]
+            outside = names_outside_folder(files)
             if outside:
                 raise ConversionError(
                     f"{source / index} names weight files outside {source} ({', '.join(outside[:3])}): an index may "

@@ -41,6 +41,7 @@ from conversion.checkpoint_files import (
     TOKENIZER_FILES,
     WEIGHTS_FILE,
     WEIGHTS_INDEX,
+    names_outside_folder,
 )
 from conversion.model_card import card_for_push, load_statistics
 from lazy_llama_tools.cli import PUSH_COMMIT_MESSAGE, PUSH_RETRIES, PUSH_TIMEOUT, push_parser
@@ -174,6 +175,11 @@ def _check_weights(folder: Path, config: dict, problems: list[str]) -> list[str]
             problems.append(f"{WEIGHTS_INDEX} is not a valid index: `weight_map` must map tensor names to file names.")
             return []
         shards, files = sorted(set(weight_map.values())), [WEIGHTS_INDEX]
+        outside = names_outside_folder(shards)
+        if outside:
+            problems.append(f"{WEIGHTS_INDEX} names weight files outside the folder ({', '.join(outside[:3])}): an "
+                            "index may only name files beside it.")
+            return []
     elif (folder / WEIGHTS_FILE).is_file():
         shards, files = [WEIGHTS_FILE], []
     else:

@@ -263,9 +263,12 @@ def _edit_config(folder: Path, edit) -> None:
     (lambda f: (f / "README.md").write_bytes(b"\xff\xfe"), "README.md is not UTF-8 text"),
     (lambda f: (f / SETTINGS_FILE).write_text("{bad"), f"{SETTINGS_FILE} is not valid JSON"),
     (lambda f: (f / SETTINGS_FILE).write_text("[]"), f"{SETTINGS_FILE} must hold a JSON object"),
+    (lambda f: (f / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {"lm_head.weight": "../elsewhere/model.safetensors"}})),
+     "names weight files outside the folder"),
 ], ids=["auto_map-entry", "no-auto_map", "imported-file", "config-code", "weights", "model_type", "config",
         "config-list", "config-not-utf8", "auto_map-list", "layers-string", "code-syntax", "stats-shape",
-        "card-yaml", "card-not-utf8", "settings-not-json", "settings-list"])
+        "card-yaml", "card-not-utf8", "settings-not-json", "settings-list", "index-outside"])
 def test_incomplete_folder_is_refused_before_any_request(client, checkpoint, tmp_path, breaker, message):
     folder = _broken_copy(checkpoint, tmp_path, breaker)
     requests_before = len(client.log)
