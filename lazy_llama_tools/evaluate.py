@@ -9,12 +9,12 @@ tokenizer) the same tokens are scored by both. Benchmarks: see the README (lm-ev
 """
 
 import json
-import os
 from pathlib import Path
 
 from tqdm.auto import tqdm
 
 from lazy_llama_tools.cli import evaluate_parser
+from lazy_llama_tools.folders import write_text_whole
 from lazy_llama_tools.loading import (
     check_output_file,
     check_same_vocabulary,
@@ -64,13 +64,8 @@ def run(args) -> int:
                 raise ValueError(f"token id {int(ids.max())} is outside {name}'s vocabulary "
                                  f"({model.config.vocab_size}): the models must share the tokenizer")
             results.append(evaluate_perplexity(model, ids, args.context, args.stride, name, not args.no_progress))
-        if args.json:  # written beside the target and renamed: a failed write leaves no half file
-            tmp = Path(f"{args.json}.tmp-{os.getpid()}")
-            try:
-                tmp.write_text(json.dumps({"text_file": args.text, "results": results}, indent=1) + "\n")
-                os.replace(tmp, args.json)
-            finally:
-                tmp.unlink(missing_ok=True)
+        if args.json:
+            write_text_whole(Path(args.json), json.dumps({"text_file": args.text, "results": results}, indent=1) + "\n")
     except (ValueError, OSError) as error:  # NotALazyLlama, ModelNotFound and UnusableModel are ValueErrors
         raise SystemExit(f"lazy-evaluate: error: {error}") from None
     for result in results:

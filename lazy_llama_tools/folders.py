@@ -101,6 +101,20 @@ def remove_leftovers(target: Path) -> list[str]:
     return done
 
 
+def write_text_whole(path: Path, text: str) -> None:
+    """Write `text` (UTF-8) to a hidden file beside `path`, then rename it into place: a failed or interrupted write
+    leaves `path` as it was and no temporary file."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".tmp-{path.stem}-", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            handle.write(text)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
 def is_empty_folder(path: Path) -> bool:
     return path.is_dir() and not path.is_symlink() and not any(path.iterdir())
 
