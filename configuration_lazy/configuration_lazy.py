@@ -15,6 +15,7 @@ This file imports nothing from this project, so it can travel with a checkpoint 
 import math
 
 from huggingface_hub.dataclasses import strict
+from huggingface_hub.errors import StrictDataclassFieldValidationError
 from transformers import LlamaConfig
 
 # Sizes that must be whole numbers >= 1; None means "derive it" for the last two (LlamaConfig does).
@@ -110,5 +111,24 @@ class LazyLlamaConfig(LlamaConfig):
                 "for grouped-query attention: pick a num_key_value_heads that divides it."
             )
 
+
+# What each field must hold, for the ValueError that replaces the strict dataclass's type error on these fields
+# (`LazyLlamaConfig(lazy_bias_window=1.5)` raises a ValueError, as `lazy_bias_window=0` does).
+_FIELD_KINDS = {name: "an integer >= 1" for name in _POSITIVE_SIZES}
+_FIELD_KINDS.update(lazy_bias_window="an integer >= 1", lazy_tau_init="a finite number",
+                    lazy_bias_init_std="a finite number >= 0")
+_strict_setattr = LazyLlamaConfig.__setattr__
+
+
+def _setattr_with_value_errors(self, name, value):
+    try:
+        _strict_setattr(self, name, value)
+    except StrictDataclassFieldValidationError as error:
+        if name not in _FIELD_KINDS:
+            raise
+        raise ValueError(f"{name} must be {_FIELD_KINDS[name]}, got {value!r}.") from error
+
+
+LazyLlamaConfig.__setattr__ = _setattr_with_value_errors
 
 __all__ = ["LazyLlamaConfig"]

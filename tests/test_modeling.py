@@ -39,10 +39,25 @@ def test_vanilla_llama_config_json_loads(tmp_path):
     (dict(intermediate_size=-8), "intermediate_size must be an integer >= 1"),
     (dict(max_position_embeddings=0), "max_position_embeddings must be an integer >= 1"),
     (dict(head_dim=0), "head_dim must be an integer >= 1"),
+    # values of the wrong kind: a ValueError too, not the strict dataclass's own error
+    (dict(lazy_bias_window=1.5), "lazy_bias_window must be an integer >= 1, got 1.5"),
+    (dict(lazy_bias_window="64"), "lazy_bias_window must be an integer >= 1, got '64'"),
+    (dict(lazy_tau_init="-1"), "lazy_tau_init must be a finite number"),
+    (dict(lazy_bias_init_std=None), "lazy_bias_init_std must be a finite number >= 0"),
+    (dict(hidden_size=32.0), "hidden_size must be an integer >= 1"),
 ])
 def test_invalid_config_raises_value_error(bad, message):
     with pytest.raises(ValueError, match=message):
         tiny_config(**bad)
+
+
+def test_a_value_of_the_wrong_kind_set_afterwards_raises_value_error():
+    config = tiny_config()
+    with pytest.raises(ValueError, match="lazy_bias_window must be an integer >= 1, got 2.5"):
+        config.lazy_bias_window = 2.5
+    assert config.lazy_bias_window == tiny_config().lazy_bias_window  # the old value stays
+    config.lazy_bias_window = 3
+    assert config.lazy_bias_window == 3
 
 
 def test_new_model_initialisation_follows_config():
