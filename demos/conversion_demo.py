@@ -16,6 +16,8 @@ from pathlib import Path
 
 import torch
 
+from lazy_llama_tools.cli import one_line_errors
+
 DEMO_TAUS = (0.0, -0.5, -1.0)
 PROMPT = "What is the capital of France? Answer in one sentence."
 
@@ -34,7 +36,7 @@ def set_tau(model, tau: float) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = one_line_errors(argparse.ArgumentParser(description=__doc__.splitlines()[0]))
     parser.add_argument("--output", help="where to write the converted model (default: in the cache)")
     parser.add_argument("--ppl-blocks", type=int, default=8, help="Brown-test windows of 512 tokens for perplexity")
     parser.add_argument("--stats-tokens", type=int, default=512, help="Brown-test tokens for attention statistics")

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from lazy_llama_tools.cli import one_line_errors
 from lazy_llama_tools.data import brown_text_file, smollm2_llama_dir
 from lazy_llama_tools.finetune import load_model
 from lazy_llama_tools.finetune import main as finetune_main
@@ -43,7 +44,8 @@ def evaluate(model, tokens: torch.Tensor, rows: int, context: int, stats_rows_pe
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = one_line_errors(argparse.ArgumentParser(description=__doc__,
+                                                     formatter_class=argparse.RawDescriptionHelpFormatter))
     parser.add_argument("--output_dir", default=".cache/finetune-demo")
     parser.add_argument("--max_steps", type=int, default=24)
     parser.add_argument("--eval_rows", type=int, default=4)

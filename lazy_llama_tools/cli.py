@@ -128,6 +128,19 @@ def _args(argv):
     return list(sys.argv[1:] if argv is None else argv)
 
 
+def one_line_errors(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """`parser`, answering a bad command line in one line (`PROG: error: WHAT (PROG --help lists the options)`,
+    exit status 2) instead of argparse's usage block above it; a message that names a --help option keeps its own
+    hint."""
+
+    def error(message: str):
+        hint = "" if "--help" in message else f" (`{parser.prog} --help` lists the options)"
+        parser.exit(2, f"{parser.prog}: error: {message}{hint}\n")
+
+    parser.error = error
+    return parser
+
+
 # ------------------------------------------------------------------------------------------------ parsers
 
 
@@ -158,7 +171,7 @@ def convert_parser() -> argparse.ArgumentParser:
                         help="seed of the distance-bias initialisation, 0 .. 2**64 - 1 (default: %(default)s)")
     parser.add_argument("--base-model", metavar="REPO_ID", help="Hub id of the source, for the model card")
     parser.add_argument("--license", metavar="NAME", help="license of the weights, for the model card")
-    return parser
+    return one_line_errors(parser)
 
 
 def inspect_parser() -> argparse.ArgumentParser:
@@ -188,7 +201,7 @@ def inspect_parser() -> argparse.ArgumentParser:
     parser.add_argument("--device", default="auto", type=device_name, metavar="DEVICE",
                         help="auto (CUDA if available), cpu, cuda, cuda:1, ... (default: %(default)s)")
     parser.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, metavar="DTYPE", help=DTYPE_HELP)
-    return parser
+    return one_line_errors(parser)
 
 
 def evaluate_parser() -> argparse.ArgumentParser:
@@ -211,7 +224,7 @@ def evaluate_parser() -> argparse.ArgumentParser:
                         help="auto (CUDA if available), cpu, cuda, cuda:1, ... (default: %(default)s)")
     parser.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, metavar="DTYPE", help=DTYPE_HELP)
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
-    return parser
+    return one_line_errors(parser)
 
 
 def push_parser() -> argparse.ArgumentParser:
@@ -239,7 +252,7 @@ def push_parser() -> argparse.ArgumentParser:
                         help="seconds without an answer before a request gives up (default: %(default)g)")
     parser.add_argument("--retries", type=at_least(0), default=PUSH_RETRIES, metavar="N",
                         help="retries after a time-out, a lost connection, 429 or 502/503/504 (default: %(default)s)")
-    return parser
+    return one_line_errors(parser)
 
 
 FINETUNE_MODES = ("full", "lazy-only", "lora")
@@ -297,7 +310,7 @@ def finetune_parser() -> argparse.ArgumentParser:
     parser.add_argument("--fsdp-size", type=positive_int, default=1, metavar="N",
                         help="FSDP2: shard the model over N processes (torchrun --nproc_per_node N); 1 = replicated "
                              "(DDP under torchrun)")
-    return parser
+    return one_line_errors(parser)
 
 
 def parse_finetune(argv=None):

@@ -44,7 +44,7 @@ from transformers import Trainer, TrainerCallback, TrainingArguments
 from transformers.trainer import TRAINER_STATE_NAME, TRAINING_ARGS_NAME
 
 from conversion.convert_llama_to_lazy import EXACT_TAU_INIT, ConversionError, check_llama_config, make_shareable
-from lazy_llama_tools.cli import DEFAULT_LORA_TARGETS
+from lazy_llama_tools.cli import DEFAULT_LORA_TARGETS, one_line_errors
 from lazy_llama_tools.cli import FINETUNE_MODES as MODES
 from lazy_llama_tools.data import pack_token_blocks
 from lazy_llama_tools.folders import (
@@ -462,8 +462,8 @@ def training_arguments(args, training_argv: list[str]) -> TrainingArguments:
     one line on unknown or bad options. `args.help_training` prints their help and exits."""
     from transformers import HfArgumentParser
 
-    parser = HfArgumentParser(TrainingArguments, prog="lazy-finetune", usage="lazy-finetune MODEL --train-file FILE "
-                              "--output-dir DIR [TrainingArguments options]")
+    parser = one_line_errors(HfArgumentParser(TrainingArguments, prog="lazy-finetune", usage="lazy-finetune MODEL "
+                                              "--train-file FILE --output-dir DIR [TrainingArguments options]"))
     if args.help_training:
         parser.print_help()
         raise SystemExit(0)
@@ -472,8 +472,8 @@ def training_arguments(args, training_argv: list[str]) -> TrainingArguments:
     except ValueError as error:  # TrainingArguments refuses a combination (e.g. --bf16 true on a CPU)
         parser.error(one_line(error))
     if unknown:
-        parser.error(f"unrecognized arguments: {' '.join(unknown)} (`lazy-finetune --help` and --help-training list "
-                     "the options)")
+        parser.error(f"unrecognized arguments: {' '.join(unknown)} (`lazy-finetune --help` and --help-training "
+                     "list the options)")
     for field in dataclasses.fields(training_args):  # a NaN learning rate trains a NaN model without a word
         value = getattr(training_args, field.name)
         if isinstance(value, float) and not math.isfinite(value):

@@ -34,6 +34,7 @@ from pathlib import Path
 
 import torch
 
+from lazy_llama_tools.cli import one_line_errors
 from lazy_llama_tools.data import brown_documents, pack_token_blocks, smollm2_llama_dir
 from lazy_llama_tools.finetune import load_model
 from lazy_llama_tools.metrics import (
@@ -236,8 +237,8 @@ def write_summary(out: Path) -> str:
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = one_line_errors(argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter))
     parser.add_argument("--out", type=Path, default=Path("runs/lazify"))
     parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=ARMS)
     parser.add_argument("--tau-sweep", type=float, nargs="*", default=[0.0, -0.05, -0.1, -0.025])

@@ -42,7 +42,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.modeling_utils import AttentionInterface
 
-from lazy_llama_tools.cli import at_least, finite_float, positive_int
+from lazy_llama_tools.cli import at_least, finite_float, one_line_errors, positive_int
 from lazy_llama_tools.data import brown_documents, pack_token_blocks
 from lazy_llama_tools.metrics import (
     attention_statistics,
@@ -551,8 +551,8 @@ def make_plots(results: dict, models: dict, test_documents: list[str], args, out
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = one_line_errors(argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter))
     parser.add_argument("--out", type=Path, default=Path("runs/replicate"), help="output folder")
     parser.add_argument("--variants", nargs="+", default=list(PAPER_VARIANTS), choices=list(VARIANTS),
                         help="; ".join(f"{k}: {v}" for k, v in VARIANTS.items()))

@@ -26,6 +26,8 @@ from pathlib import Path
 
 import torch
 
+from lazy_llama_tools.cli import one_line_errors
+
 PAIRED_FIGURES = ("sink", "sink_share", "sink@4x", "sink_share@4x")  # differences `cell - reference`, same seed
 FIGURES = ("sparsity", "sparsity_pooled", "surviving_mass", "removed_mass", "sink", "sink_share", "tile_density")
 
@@ -355,7 +357,7 @@ def bias_tail(results_file: Path, start: int, stop: int, threshold: float = 0.05
 
 
 def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = one_line_errors(argparse.ArgumentParser(description=__doc__.split("\n\n")[0]))
     parser.add_argument("folder", type=Path, help="a grid folder, or with --bias-tail a results.json")
     parser.add_argument("--bias-tail", type=int, nargs=2, metavar=("START", "STOP"), default=None,
                         help="report learned distance-bias entries at distances START..STOP-1 of a results.json")

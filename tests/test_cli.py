@@ -99,7 +99,21 @@ def test_finetune_refuses_bad_command_lines_in_one_line(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
         cli.parse_finetune(argv)
     assert exit_info.value.code == 2
-    assert message in capsys.readouterr().err.strip().splitlines()[-1]
+    err = capsys.readouterr().err.strip()
+    assert message in err and "\n" not in err, err  # one line: no usage block above it
+
+
+@pytest.mark.parametrize("tool", list(TOOLS))
+def test_a_bad_command_line_is_one_line(tool, capsys):
+    """argparse's own errors (an unknown option, a bad value) come without its usage block: one line that names the
+    tool, what was wrong, and where the options are listed; exit status 2."""
+    _, build = TOOLS[tool]
+    for argv in (["--no-such-option"], ["x", "y", "--dtype", "int3"]):
+        with pytest.raises(SystemExit) as exit_info:
+            build().parse_args(argv)
+        err = capsys.readouterr().err
+        assert exit_info.value.code == 2 and err.count("\n") == 1, err
+        assert err.startswith(f"{tool}: error: ") and f"`{tool} --help` lists the options" in err, err
 
 
 def test_a_bad_device_spelling_is_refused_before_torch_loads():
@@ -135,7 +149,8 @@ def test_finetune_training_options_are_checked_when_parsed(tmp_path, option, mes
     with pytest.raises(SystemExit) as exit_info:
         training_arguments(args, rest)
     assert exit_info.value.code == 2
-    assert message in capsys.readouterr().err.strip().splitlines()[-1]
+    err = capsys.readouterr().err.strip()
+    assert message in err and "\n" not in err, err
 
 
 def test_finetune_bf16_without_support_is_one_line(tmp_path, capsys, monkeypatch):

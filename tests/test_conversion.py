@@ -199,7 +199,7 @@ def test_refuses_other_architectures_and_features(tmp_path, capsys):
         ({"sliding_window": 64}, "sliding-window"),
         ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4}}, "RoPE type 'longrope'"),
         ({"quantization_config": {"quant_method": "bitsandbytes"}}, "quantized"),
-        ({"vocab_size": "96"}, "invalid configuration: Validation error for field 'vocab_size'"),
+        ({"vocab_size": "96"}, "invalid configuration: vocab_size must be an integer >= 1, got '96'"),
         ({"num_hidden_layers": -1}, "num_hidden_layers must be an integer >= 1"),
         ({"rope_parameters": "default"}, "rope_parameters must be a JSON object, got a str ('default')"),
         ({"quantization_config": "bnb"}, "quantization_config must be a JSON object, got a str ('bnb')"),
