@@ -22,7 +22,7 @@ _REPO_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
 # Figures shown first, named as docs/design.md names the paper's measures; any other numeric figure follows.
 _FIGURES = {
     "sparsity": "attention sparsity (fraction of exactly-zero weights among visible pairs)",
-    "tile_density": "64x64 tile density (fraction of tiles with a non-zero weight)",
+    "tile_density": "64x64 tile density (fraction of the tiles holding a visible pair that keep a non-zero weight)",
     "sink": "attention sink (mean weight on the first key)",
     "surviving_mass": "surviving mass (mean sum of weights per query)",
     "tau": "mean tau",

@@ -187,13 +187,14 @@ def inspect_parser() -> argparse.ArgumentParser:
                         f"tokenizer, or '{TAU_ZERO}' for MODEL with every tau set to 0")
     parser.add_argument("--out", default="inspect-out", metavar="DIR", help="output folder (default: %(default)s)")
     parser.add_argument("--tokenizer", metavar="DIR", help="tokenizer folder (default: MODEL's)")
-    parser.add_argument("--tokens", type=positive_int, default=512, metavar="N",
-                        help="tokens per window (default: %(default)s)")
+    parser.add_argument("--tokens", type=at_least(2), default=512, metavar="N",
+                        help="tokens per window, at least 2: the sink is measured on queries after the first "
+                             "(default: %(default)s)")
     parser.add_argument("--windows", type=positive_int, default=1, metavar="N",
                         help="consecutive windows to average over (default: %(default)s; memory grows with layers x "
                              "heads x windows x tokens^2)")
-    parser.add_argument("--repeated-length", type=positive_int, default=128, metavar="N",
-                        help="length of the repeated-token sequence (default: %(default)s)")
+    parser.add_argument("--repeated-length", type=at_least(2), default=128, metavar="N",
+                        help="length of the repeated-token sequence, at least 2 (default: %(default)s)")
     parser.add_argument("--map-tokens", type=positive_int, default=64, metavar="N",
                         help="tokens shown in attention maps (default: %(default)s)")
     parser.add_argument("--map-layers", metavar="L,L,...",

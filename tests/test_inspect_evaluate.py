@@ -144,7 +144,7 @@ def _independent_weights(model, ids: torch.Tensor):
             scores = scores.masked_fill(~causal, -math.inf)
             p = torch.softmax(scores, dim=-1)
             shifted = p + tau[h] / (i + 1)
-            if tau[h] != 0:  # row 0 sees one key: p = 1 exactly, a = max(0, 1 + tau) exactly on both sides
+            if tau[h] != 0 and length > 1:  # row 0 sees one key: p = 1, a = max(0, 1 + tau) exactly on both sides
                 margin = min(margin, shifted[causal & (i > 0)].abs().min().item())
             weights[h] = torch.where(causal, shifted.clamp(min=0), 0.0)
         all_weights.append(weights)
@@ -310,6 +310,71 @@ def test_inspect_vanilla_llama_baseline_and_refusal(tiny, tmp_path, capsys):
         evaluate.main([str(tiny["llama"]), "--text", str(tiny["text"])])
 
 
+def test_statistics_of_packed_documents_equal_each_document_measured_alone(tiny, rng_seed):
+    """Documents packed in one row with restarting `position_ids` (1-token documents included): pairs across
+    documents are not visible and `n_i` restarts, so every figure equals the float64 one of the documents measured
+    one by one (per-row means pooled over all documents' rows)."""
+    from lazy_llama_tools.metrics import attention_statistics, pooled_attention_statistics
+
+    model = LazyLlamaForCausalLM.from_pretrained(tiny["lazy"], dtype=torch.float64).eval()
+    lengths = [int(n) for n in torch.randint(1, 50, (4,))] + [1]
+    print("document lengths", lengths, "seed", rng_seed)
+    documents = [torch.randint(3, 64, (n,)) for n in lengths]
+    packed = torch.cat(documents)[None]
+    positions = torch.cat([torch.arange(n) for n in lengths])[None]
+    stats = attention_statistics(model, packed, position_ids=positions)
+    pooled = pooled_attention_statistics(model, packed, position_ids=positions)
+    per_document = [_independent_weights(model, ids)[0] for ids in documents]
+    for layer in range(2):
+        rows = [(w[:, i, : i + 1], i) for doc in per_document for w in [doc[layer]] for i in range(w.shape[1])]
+        zero_share = torch.stack([(row == 0).double().mean(-1) for row, _ in rows])  # [rows, H]
+        mass = torch.stack([row.sum(-1) for row, _ in rows])
+        sink = torch.stack([row[:, 0] for row, i in rows if i > 0])
+        pairs = torch.cat([row for row, _ in rows], dim=-1)  # [H, all visible pairs]
+        got, got_pooled = stats["layers"][layer], pooled["layers"][layer]
+        assert got["sparsity"] == pytest.approx(zero_share.mean(0).tolist(), abs=1e-6), layer
+        assert got["surviving_mass"] == pytest.approx(mass.mean(0).tolist(), abs=1e-6), layer
+        assert got["sink"] == pytest.approx(sink.mean(0).tolist(), abs=1e-6), layer
+        assert got_pooled["sparsity_pooled"] == pytest.approx((pairs == 0).double().mean(-1).tolist(), abs=1e-6)
+        assert got_pooled["removed_mass"] == pytest.approx((1 - mass).mean(0).tolist(), abs=1e-6)
+    assert stats["mean"]["sparsity"] > 0.05  # the hand-set heads cut weights: the comparison is not vacuous
+
+
+def test_a_vanilla_baseline_in_float16_has_no_rounding_zeros(tiny):
+    """Llama's eager attention rounds its softmax to the model's dtype; in float16 small weights become exact zeros.
+    The statistics read a model without Lazy Attention in float32: softmax keeps every weight, at every dtype."""
+    from transformers import LlamaForCausalLM
+
+    from lazy_llama_tools.metrics import attention_statistics
+
+    ids = torch.tensor(tiny["tokenizer"](tiny["text"].read_text())["input_ids"][:TOKENS])[None]
+    figures = {}
+    for dtype in (torch.float32, torch.float16):
+        llama = LlamaForCausalLM.from_pretrained(tiny["llama"], dtype=dtype).eval()
+        with torch.no_grad():
+            for block in llama.model.layers:  # peaky attention: softmax weights below float16's smallest
+                block.self_attn.q_proj.weight.mul_(16)
+                block.self_attn.k_proj.weight.mul_(16)
+        figures[dtype] = attention_statistics(llama, ids)["mean"]
+    assert figures[torch.float16]["sparsity"] == 0.0 == figures[torch.float32]["sparsity"]
+    assert figures[torch.float16]["surviving_mass"] == pytest.approx(1.0, abs=1e-5)
+    assert figures[torch.float16]["sink"] == pytest.approx(figures[torch.float32]["sink"], abs=2e-3)
+
+
+def test_a_figure_with_nothing_to_average_over_is_nan(tiny):
+    """The sink averages over queries at position > 0: a 1-token input has none, so it is NaN (0 would read as "no
+    sink"); the other figures are defined."""
+    from lazy_llama_tools.metrics import attention_statistics, pooled_attention_statistics
+
+    model = LazyLlamaForCausalLM.from_pretrained(tiny["lazy"]).eval()
+    stats = attention_statistics(model, torch.tensor([[5]]))
+    assert all(math.isnan(value) for layer in stats["layers"] for value in layer["sink"])
+    assert math.isnan(stats["mean"]["sink"]) and stats["mean"]["surviving_mass"] == pytest.approx(
+        sum(max(0.0, 1 + t) for layer in TAU for t in layer) / 8)
+    pooled = pooled_attention_statistics(model, torch.tensor([[5]]))["mean"]
+    assert math.isnan(pooled["sink_share"]) and math.isnan(pooled["sink_share_pooled"])
+
+
 def _direct_nll(model, ids: torch.Tensor, context: int, stride: int) -> list[float]:
     """NLL of every token t >= 1, scored in the first window (starts 0, stride, ...) whose end passes t; windows
     overlap by at least one token (stride <= context - 1), so t always has history inside its window."""
@@ -409,7 +474,7 @@ def test_bad_arguments_and_missing_models_are_refused_in_one_line(tiny, tmp_path
     for tool, argv, message in [
         (evaluate, [lazy, "--text", str(tmp_path / "empty.txt")], "is empty"),
         (evaluate, [lazy, "--text", text, "--max-tokens", "0"], "argument --max-tokens: must be at least 1, got 0"),
-        (inspect_attention, [lazy, "--text", text, "--tokens", "0"], "argument --tokens: must be at least 1"),
+        (inspect_attention, [lazy, "--text", text, "--tokens", "0"], "argument --tokens: must be at least 2"),
         (inspect_attention, [lazy, "--text", text, "--repeated-length", "0"], "argument --repeated-length: must be"),
         (inspect_attention, [lazy, "--text", text, "--device", "banana"], "unknown device 'banana'"),
         (evaluate, [str(tmp_path / "models" / "lazy"), "--text", text], "models/lazy: no such folder"),

@@ -295,5 +295,6 @@ def test_tauinit_grid_is_the_sweeps_tau_cells():
 def test_loggain_with_a_non_positive_init_is_refused_in_one_line(capsys):
     with pytest.raises(SystemExit):
         replicate.parse_args(["--variants", "loggain", "--gain-init", "0"])
-    err = capsys.readouterr().err.strip().splitlines()
-    assert err[-1].endswith("--gain-init must be > 0 for `loggain` (its gain is exp(g), g = log of it); got 0.0")
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err, err  # one line
+    assert "--gain-init must be > 0 for `loggain` (its gain is exp(g), g = log of it); got 0.0" in err
