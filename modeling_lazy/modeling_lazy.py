@@ -149,13 +149,14 @@ class LazyLlamaAttention(nn.Module):
         distance_bias (and their gradients) float32 when the rest of the layer is cast to a 16-bit float.
 
         In bfloat16 most AdamW updates of size lr round away on values near 1, so the two parameters would stop
-        training; the kernels read them in float32 anyway. A cast to float64 (gradient checks) is followed.
-        The values are converted from the float32 originals, so nothing is rounded on the way.
+        training; the kernels read them in float32 anyway. A cast to float64 (gradient checks) is followed, and a
+        16-bit cast after it gives float32 again. The values are converted from the originals, so nothing is
+        rounded to 16 bits on the way.
         """
         originals = {}
         for name in LAZY_PARAMETER_NAMES:
             param = self._parameters.get(name)
-            if param is not None and param.dtype == torch.float32:
+            if param is not None and param.dtype in (torch.float32, torch.float64):
                 originals[id(param)] = param
                 if param.grad is not None:
                     originals[id(param.grad)] = param.grad
@@ -390,15 +391,16 @@ class InPlaceDynamicLayer(DynamicLayer):
     (amortised: about 8 rows copied per token, where concatenation copies them all). Everything
     else is `DynamicLayer`'s: the views are its `keys`/`values`, `crop` keeps writing in place, and a tensor that
     something else put there (beam reordering, batch selection, offloading, a cast) starts a new buffer from it.
-    It falls back to concatenation where writing in place would break autograd (keys that require grad) or
-    under torch.compile. `LazyLlamaModel` and `generate()` give it to the caches they create themselves.
+    It falls back to concatenation where writing in place could break autograd (with grad enabled: an earlier
+    call's attention may have saved the views for its backward, even of keys that need no gradient) or under
+    torch.compile. `LazyLlamaModel` and `generate()` give it to the caches they create themselves.
     """
 
     _spare: tuple[torch.Tensor, torch.Tensor] | None = None  # the key and value buffers
     _views: tuple[torch.Tensor, torch.Tensor] | None = None  # the views of them this layer set as `keys`/`values`
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        if (torch.compiler.is_compiling() or (torch.is_grad_enabled() and key_states.requires_grad)
+        if (torch.compiler.is_compiling() or torch.is_grad_enabled()
                 or key_states.dim() != 4 or value_states.dim() != 4):
             self._spare = self._views = None
             return super().update(key_states, value_states, *args, **kwargs)

@@ -146,6 +146,7 @@ def test_in_place_layer_matches_dynamic_layer_through_every_cache_operation(rng_
     in_place, plain = _layer_pair()
     batch, heads, dim = 3, 2, 8
     writes_in_place = 0
+    torch.set_grad_enabled(False)  # inference (with grad enabled the layer concatenates: the next test)
     for step in range(60):
         action = torch.randint(0, 10, ()).item()
         length = plain.get_seq_length()
@@ -181,7 +182,32 @@ def test_in_place_layer_matches_dynamic_layer_through_every_cache_operation(rng_
         assert in_place.get_seq_length() == plain.get_seq_length(), f"step {step}"
         if plain.get_seq_length():
             assert torch.equal(in_place.keys, plain.keys) and torch.equal(in_place.values, plain.values), f"step {step}"
+    torch.set_grad_enabled(True)
     assert writes_in_place > 10  # most single-token steps wrote in place
+
+
+def test_training_calls_that_share_a_cache_backpropagate_through_both(rng_seed):
+    """Two training calls that share the cache the first creates (a chunked, truncated-BPTT-style step: one backward
+    through both losses). With only tau and distance_bias trained (the keys need no gradient) the first call's
+    attention still saved its keys for its backward, so the second must not write into them: the gradients equal
+    those through a plain concatenating `DynamicCache`."""
+    from transformers import DynamicCache
+
+    from modeling_lazy import is_lazy_parameter
+
+    model = tiny_model(vocab_size=97).train()
+    for name, parameter in model.named_parameters():
+        parameter.requires_grad_(is_lazy_parameter(name))
+    ids = torch.randint(3, 97, (2, 12))
+    grads = []
+    for cache in (None, DynamicCache()):  # None: the model creates its own (in-place layers)
+        model.zero_grad()
+        first = model(ids[:, :7], labels=ids[:, :7], use_cache=True, **({CACHE_FIELD: cache} if cache else {}))
+        second = model(ids[:, 7:], labels=ids[:, 7:], use_cache=True, **{CACHE_FIELD: getattr(first, CACHE_FIELD)})
+        (first.loss + second.loss).backward()
+        grads.append([p.grad.clone() for p in model.parameters() if p.requires_grad])
+    for got, want in zip(*grads):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
 def test_in_place_layer_concatenates_where_autograd_needs_it(rng_seed):

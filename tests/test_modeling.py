@@ -102,6 +102,12 @@ def test_casting_to_16_bit_keeps_tau_and_bias_float32(cast, rng_seed):
     model.float()
     assert {p.dtype for p in model.parameters()} == {torch.float32}
     assert all(torch.equal(p, before[n]) for n, p in model.named_parameters() if n.endswith(".tau"))
+    CASTS[cast](model.double())  # from float64 too: a 16-bit cast keeps them float32
+    for name, param in model.named_parameters():
+        lazy = name.endswith(("self_attn.tau", "self_attn.distance_bias"))
+        assert param.dtype == (torch.float32 if lazy else target) == param.grad.dtype, name
+        if lazy:
+            assert torch.equal(param, before[name]) and torch.equal(param.grad, grads[name]), name
 
 
 def test_adamw_in_bfloat16_moves_every_tau_and_bias_entry(rng_seed):
