@@ -189,6 +189,99 @@ def _is_gguf(source: Path) -> bool:
     return source.is_file() and source.suffix.lower() == ".gguf"
 
 
+GGUF_LAYER_TENSORS = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm", "ffn_gate", "ffn_up",
+                      "ffn_down")
+# Llama 3.x ("llama3") RoPE scaling as llama.cpp stores it: only the per-frequency divisors, tensor rope_freqs.weight.
+# The settings are found by trying Meta's (low 1, high 4, original 8192) and the ones fitted to the divisors of the
+# frequencies between the two bounds; a setting is taken only if transformers computes the file's divisors from it.
+LLAMA3_META_SETTING = (1.0, 4.0, 8192)
+
+
+def _names(items: list[str]) -> str:
+    return ", ".join(items[:5]) + (f" and {len(items) - 5} more" if len(items) > 5 else "")
+
+
+def checked_gguf_config(source: Path, config: dict) -> dict:
+    """The GGUF's config (as transformers reads it) with its RoPE scaling, after checking that its tensors are
+    exactly a Llama's: transformers' GGUF loader drops tensors it has no place for (biases, experts) and
+    initialises missing ones at random, and reads no RoPE scaling for Llama, so each of those is refused here or
+    carried over (linear scaling, Llama 3.x scaling from its rope_freqs tensor)."""
+    from gguf import GGUFReader
+    from transformers.modeling_gguf_pytorch_utils import read_field
+
+    reader = GGUFReader(str(source))
+    names = {tensor.name for tensor in reader.tensors}
+    layers = int(config.get("num_hidden_layers") or 0)
+    needed = {"token_embd.weight", "output_norm.weight"} | {
+        f"blk.{layer}.{name}.weight" for layer in range(layers) for name in GGUF_LAYER_TENSORS}
+    if config.get("tie_word_embeddings") is False:
+        needed.add("output.weight")
+    unknown = sorted(names - needed - {"output.weight", "rope_freqs.weight"})
+    if unknown:
+        raise ConversionError(f"{source} holds tensors a Llama has no place for ({_names(unknown)}): biases, experts "
+                              "or another architecture's weights would be dropped. Not converted.")
+    missing = sorted(needed - names)
+    if missing:
+        raise ConversionError(f"{source} lacks tensors a Llama needs: {_names(missing)}.")
+    config = dict(config)
+    scaling_field = "llama.rope.scaling.type"
+    scaling = str(read_field(reader, scaling_field)[0]) if scaling_field in reader.fields else "none"
+    theta = float(config.get("rope_theta", 10000.0))
+    if "rope_freqs.weight" in names:
+        freqs = next(tensor for tensor in reader.tensors if tensor.name == "rope_freqs.weight")
+        parameters = _llama3_parameters(torch.as_tensor(freqs.data.astype("float32")).reshape(-1), config, theta)
+        if scaling not in ("none", "") or parameters is None:
+            raise ConversionError(
+                f"{source} scales RoPE by per-frequency factors (rope_freqs.weight) that match no Llama 3.x "
+                "setting: convert the model's Hugging Face folder instead.")
+        config["rope_parameters"] = parameters
+    elif scaling == "linear":
+        factor = float(read_field(reader, "llama.rope.scaling.factor")[0])
+        config["rope_parameters"] = {"rope_type": "linear", "factor": factor, "rope_theta": theta}
+    elif scaling not in ("none", ""):
+        raise ConversionError(f"{source} uses RoPE scaling {scaling!r}, which this converter does not read from GGUF "
+                              "metadata: convert the model's Hugging Face folder instead.")
+    return config
+
+
+def _llama3_parameters(divisors: torch.Tensor, config: dict, theta: float) -> dict | None:
+    """The "llama3" rope parameters whose per-frequency divisors (plain frequency / scaled) are `divisors`, or None."""
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    heads = int(config["num_attention_heads"])
+    head_dim = int(config.get("head_dim") or int(config["hidden_size"]) // heads)
+    if divisors.numel() != head_dim // 2 or not bool(torch.isfinite(divisors).all()) or float(divisors.min()) <= 0:
+        return None
+    plain = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    factor = float(divisors.max())
+    candidates = [LLAMA3_META_SETTING]
+    between = (divisors > 1 + 1e-6) & (divisors < factor * (1 - 1e-6))
+    if int(between.sum()) >= 2 and factor > 1:
+        # there the scaled frequency is (1 - s) f / factor + s f with s = original / (high - low) / wavelength
+        # - low / (high - low): a line in 1 / wavelength, which fixes high / low and original / low
+        smooth = ((1 / divisors[between] - 1 / factor) / (1 - 1 / factor)).double()
+        x = (plain[between] / (2 * math.pi)).double()
+        slope, intercept = torch.linalg.lstsq(torch.stack([x, torch.ones_like(x)], 1), smooth[:, None]).solution[:, 0]
+        if float(intercept) < 0:
+            high = round(1 - 1 / float(intercept), 4)
+            candidates.append((1.0, high, round(float(slope) * (high - 1))))
+    elif int(between.sum()) == 1:  # one point of the line: through it, for a few ratios high / low
+        smooth = float((1 / divisors[between] - 1 / factor) / (1 - 1 / factor))
+        wavelength = float(2 * math.pi / plain[between])
+        candidates += [(1.0, high, round((smooth * (high - 1) + 1) * wavelength)) for high in (4.0, 2.0, 8.0, 3.0)]
+    for low, high, original in candidates:
+        parameters = {"rope_type": "llama3", "factor": factor, "low_freq_factor": low, "high_freq_factor": high,
+                      "original_max_position_embeddings": original, "rope_theta": theta}
+        probe = LlamaConfig(hidden_size=heads * head_dim, num_attention_heads=heads, head_dim=head_dim,
+                            max_position_embeddings=int(config.get("max_position_embeddings") or original),
+                            rope_parameters=dict(parameters))
+        scaled, _ = ROPE_INIT_FUNCTIONS["llama3"](probe, "cpu")
+        if torch.allclose(plain / scaled.float(), divisors, rtol=1e-4, atol=0):
+            return parameters
+    return None
+
+
 def read_source_config(source: Path) -> dict:
     """The source's config as a dict (from `config.json`, or the metadata of a GGUF file)."""
     if _is_gguf(source):
@@ -223,7 +316,9 @@ def source_weight_files(source: Path) -> tuple[str, list[Path]]:
     ):
         if (source / index).is_file():
             try:
-                weight_map = json.loads((source / index).read_text())["weight_map"]
+                weight_map = json.loads((source / index).read_text(encoding="utf-8"))["weight_map"]
+            except UnicodeDecodeError:
+                raise ConversionError(f"{source / index} is not UTF-8 text: is it a weight index?") from None
             except (json.JSONDecodeError, KeyError, TypeError) as error:
                 raise ConversionError(f"{source / index} is not a valid weight index: {error!r}") from error
             if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
@@ -232,6 +327,8 @@ def source_weight_files(source: Path) -> tuple[str, list[Path]]:
                     f"names, got a {type(weight_map).__name__}."
                 )
             files = sorted(set(weight_map.values()))
+            if not files:
+                raise ConversionError(f"{source / index} is not a valid weight index: its `weight_map` is empty.")
             outside = names_outside_folder(files)
             if outside:
                 raise ConversionError(
@@ -284,6 +381,12 @@ def _iter_file(path: Path, kind: str) -> Iterator[tuple[str, torch.Tensor]]:
                 state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
             except RuntimeError:  # legacy (non-zip) format cannot be memory-mapped
                 state = torch.load(path, map_location="cpu", weights_only=True)
+            if not isinstance(state, dict) or not all(
+                    isinstance(name, str) and isinstance(tensor, torch.Tensor) for name, tensor in state.items()):
+                found = f"a dict with keys {_names([repr(k) for k in state])}" if isinstance(state, dict) else \
+                    f"a {type(state).__name__}"
+                raise ConversionError(f"{path.name} is not a state dict (tensor names to tensors) but {found}: save "
+                                      "the model with save_pretrained and convert that folder.")
             names = list(state)
             for name in names:
                 yield name, state.pop(name)
@@ -419,6 +522,7 @@ def plan_conversion(source: Path, output: Path, *, tau_init: float, bias_window:
     source_config = read_source_config(source)
     check_llama_config(source_config)
     if _is_gguf(source):
+        source_config = checked_gguf_config(source, source_config)
         source_format, files = "gguf", [source]
     else:
         source_format, files = source_weight_files(source)
@@ -553,9 +657,13 @@ def _gguf_tensors(source: Path, dtype: torch.dtype) -> Iterator[tuple[str, torch
     from transformers import LlamaForCausalLM
 
     try:
-        model = LlamaForCausalLM.from_pretrained(str(source.parent), gguf_file=source.name, dtype=dtype)
+        model, info = LlamaForCausalLM.from_pretrained(str(source.parent), gguf_file=source.name, dtype=dtype,
+                                                       output_loading_info=True)
     except Exception as error:
         raise ConversionError(f"cannot load GGUF weights from {source}: {type(error).__name__}: {error}") from error
+    left_out = sorted(info.get("missing_keys", ())) + sorted(info.get("unexpected_keys", ()))
+    if left_out:  # (the tensor check before should have caught these)
+        raise ConversionError(f"the GGUF loader could not place every weight of {source}: {_names(left_out)}.")
     state = model.state_dict()
     del model
     for name in list(state):
@@ -571,7 +679,13 @@ def _copy_tokenizer(source: Path, folder: Path, log) -> None:
             return
         from transformers import AutoTokenizer
 
-        AutoTokenizer.from_pretrained(str(source.parent), gguf_file=source.name).save_pretrained(folder)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(str(source.parent), gguf_file=source.name)
+        except Exception as error:  # a tokenizer type or field transformers cannot rebuild
+            raise ConversionError(f"cannot rebuild the tokenizer stored in {source} ({type(error).__name__}: "
+                                  f"{one_line(error, 200)}): convert the model's Hugging Face folder instead."
+                                  ) from None
+        tokenizer.save_pretrained(folder)
         return
     copied = [name for name in TOKENIZER_FILES if (source / name).is_file()]
     for name in copied:
@@ -746,8 +860,10 @@ def verify_conversion(
     log = log or (lambda *args: None)
     source, converted = Path(source), Path(converted)
     log("  verifying: loading the source Llama ...")
-    if _is_gguf(source):
-        reference = LlamaForCausalLM.from_pretrained(str(source.parent), gguf_file=source.name, dtype=dtype)
+    if _is_gguf(source):  # with the RoPE scaling transformers' GGUF reader leaves out
+        config = LlamaConfig(**checked_gguf_config(source, read_source_config(source)))
+        reference = LlamaForCausalLM.from_pretrained(str(source.parent), gguf_file=source.name, config=config,
+                                                     dtype=dtype)
     else:
         config = without_gguf_quantization(LlamaConfig.from_pretrained(str(source)))
         reference = LlamaForCausalLM.from_pretrained(str(source), config=config, dtype=dtype)

@@ -151,13 +151,13 @@ def convert_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("source", metavar="SRC", help="Hugging Face Llama folder or Llama .gguf file")
     parser.add_argument("output", metavar="OUT", help="folder to create")
-    parser.add_argument("--tau-init", type=float, default=0.0, metavar="TAU",
-                        help="Elastic-Softmax tau of every head (default: 0, exact)")
+    parser.add_argument("--tau-init", type=finite_float, default=0.0, metavar="TAU",
+                        help="Elastic-Softmax tau of every head, a finite number (default: 0, exact)")
     parser.add_argument("--bias-window", type=positive_int, metavar="W",
                         help=f"distances with a learnable bias, at most max_position_embeddings "
                              f"(default: {DEFAULT_BIAS_WINDOW}, or max_position_embeddings if smaller)")
-    parser.add_argument("--bias-init-std", type=float, default=0.0, metavar="STD",
-                        help="std of the initial distance bias (default: 0, exact)")
+    parser.add_argument("--bias-init-std", type=at_least(0.0, float), default=0.0, metavar="STD",
+                        help="std of the initial distance bias, a finite number >= 0 (default: 0, exact)")
     parser.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, metavar="DTYPE",
                         help=DTYPE_HELP.replace("checkpoint's own", "source's: its config.json, else its tensors; "
                                                                     "GGUF: float32"))

@@ -128,11 +128,17 @@ def _permute_for_gguf(weight: np.ndarray, heads: int) -> np.ndarray:
             .swapaxes(1, 2).reshape(weight.shape))
 
 
-def write_tiny_gguf(path: Path, model: LlamaForCausalLM) -> None:
+def write_tiny_gguf(path: Path, model: LlamaForCausalLM, *, rope_scaling: tuple | None = None,
+                    extra_tensors: dict | None = None, leave_out: tuple = ()) -> None:
+    """`model` as llama.cpp writes a Llama; `rope_scaling` (type, factor) as its metadata, `extra_tensors` (name:
+    float32 array) added and `leave_out` tensor names dropped, to make files a Llama is not."""
     import gguf
 
     cfg = model.config
     writer = gguf.GGUFWriter(str(path), "llama")
+    if rope_scaling:
+        writer.add_rope_scaling_type(rope_scaling[0])
+        writer.add_rope_scaling_factor(rope_scaling[1])
     writer.add_name("tiny-llama")
     writer.add_context_length(cfg.max_position_embeddings)
     writer.add_embedding_length(cfg.hidden_size)
@@ -159,7 +165,10 @@ def write_tiny_gguf(path: Path, model: LlamaForCausalLM) -> None:
             array = _permute_for_gguf(array, cfg.num_attention_heads)
         elif ".k_proj." in name:
             array = _permute_for_gguf(array, cfg.num_key_value_heads)
-        writer.add_tensor(names[name], array)
+        if names[name] not in leave_out:
+            writer.add_tensor(names[name], array)
+    for name, array in (extra_tensors or {}).items():
+        writer.add_tensor(name, array)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -177,7 +186,71 @@ def test_gguf_file_converts(tmp_path):
     assert (logits(lazy) - logits(model)).abs().max().item() <= 1e-4  # against the model written into the file
 
 
+def _llama3_divisors(config: LlamaConfig) -> np.ndarray:
+    """What llama.cpp stores as rope_freqs.weight for a "llama3" RoPE: plain frequency / scaled frequency."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    scaled, _ = ROPE_INIT_FUNCTIONS["llama3"](config, "cpu")
+    dim, theta = config.head_dim, config.rope_parameters["rope_theta"]
+    plain = 1.0 / theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    return (plain / scaled).float().numpy()
+
+
+@pytest.mark.parametrize("rope", [
+    pytest.param(dict(rope_type="linear", factor=4.0), id="linear"),
+    pytest.param(dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                      original_max_position_embeddings=16), id="llama3-one-frequency-between"),
+    pytest.param(dict(rope_type="llama3", factor=32.0, low_freq_factor=1.0, high_freq_factor=2.0,
+                      original_max_position_embeddings=64), id="llama3-not-meta-setting"),
+])
+def test_gguf_rope_scaling_is_carried_over(tmp_path, rope):
+    """transformers' GGUF reader leaves a Llama's RoPE scaling out (linear: metadata; Llama 3.x: the rope_freqs
+    tensor of per-frequency divisors); the converter reads it, and the result equals the source Llama (past the
+    original length too, where the scaling matters)."""
+    import gguf
+
+    torch.manual_seed(0)
+    config = LlamaConfig(**TINY, num_key_value_heads=2, rope_parameters={**rope, "rope_theta": 10000.0})
+    model = LlamaForCausalLM(config).eval()
+    if rope["rope_type"] == "linear":
+        write_tiny_gguf(tmp_path / "tiny.gguf", model, rope_scaling=(gguf.RopeScalingType.LINEAR, rope["factor"]))
+    else:
+        write_tiny_gguf(tmp_path / "tiny.gguf", model, extra_tensors={"rope_freqs.weight": _llama3_divisors(config)})
+    summary = cv.convert(tmp_path / "tiny.gguf", tmp_path / "out", verify=True, **QUIET)
+    assert summary["max_abs_diff"] <= 1e-4
+    lazy = LazyLlamaForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32)
+    ids = torch.arange(120)[None] * 7 % 96
+    assert (logits(lazy, ids) - logits(model, ids)).abs().max().item() <= 1e-4
+    assert lazy.config.rope_parameters["rope_type"] == rope["rope_type"]
+
+
 # ---------------------------------------------------------------------------------------------------------- bad input
+
+
+def test_gguf_files_that_are_not_exactly_a_llama_are_refused(tmp_path, capsys):
+    """transformers' GGUF loader drops tensors it has no place for and fills missing ones at random: the converter
+    checks the file's tensors (and its RoPE scaling) first and refuses in one line, writing nothing."""
+    import gguf
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**TINY, num_key_value_heads=2, tie_word_embeddings=False)).eval()
+    bias = np.zeros(64, dtype=np.float32)
+    experts = np.zeros((2, 96, 64), dtype=np.float32)
+    cases = [
+        (dict(leave_out=("blk.1.ffn_up.weight",)), "lacks tensors a Llama needs: blk.1.ffn_up.weight"),
+        (dict(extra_tensors={"blk.0.attn_q.bias": bias}), "has no place for (blk.0.attn_q.bias)"),
+        (dict(extra_tensors={"blk.0.ffn_up_exps.weight": experts}), "has no place for (blk.0.ffn_up_exps.weight)"),
+        (dict(extra_tensors={"rope_freqs.weight": np.linspace(1, 3, 8, dtype=np.float32)[::-1].copy()}),
+         "match no Llama 3.x setting"),
+        (dict(rope_scaling=(gguf.RopeScalingType.YARN, 4.0)), "uses RoPE scaling 'yarn'"),
+    ]
+    for number, (change, message) in enumerate(cases):
+        path = tmp_path / f"case{number}.gguf"
+        write_tiny_gguf(path, model, **change)
+        err = _refused(tmp_path, capsys, path, message)
+        assert message in err.strip().splitlines()[-1], err  # one line
+
+
 
 
 def _refused(tmp_path, capsys, source, message, *extra):
@@ -241,6 +314,56 @@ def test_refuses_a_pickle_with_code_in_one_line_without_running_it(tmp_path, cap
     err = _refused(tmp_path, capsys, source, message)
     assert "weights_only" not in err and not ran.exists()
     assert message in err.strip().splitlines()[-1], err  # one line
+
+
+def test_refuses_a_bin_that_is_not_a_state_dict_in_one_line(tmp_path, capsys):
+    """What `torch.load(weights_only=True)` reads safely but is no state dict: a wrapped one, other key types, a
+    list; with no dtype in config.json (the converter first looks for a floating-point tensor there)."""
+    source = tiny_llama(tmp_path / "src", num_key_value_heads=2)
+    state = LlamaForCausalLM.from_pretrained(source).state_dict()
+    (source / "model.safetensors").unlink()
+    config = json.loads((source / "config.json").read_text())
+    config.pop("dtype", None), config.pop("torch_dtype", None)
+    (source / "config.json").write_text(json.dumps(config))
+    for content, message in (({"state_dict": state}, "but a dict with keys 'state_dict'"),
+                             ({0: 1, **state}, "but a dict with keys 0, 'model.embed_tokens.weight'"),
+                             (list(state.values()), "but a list")):
+        torch.save(content, source / "pytorch_model.bin")
+        message = f"pytorch_model.bin is not a state dict (tensor names to tensors) {message}"
+        err = _refused(tmp_path, capsys, source, message)
+        assert message in err.strip().splitlines()[-1], err  # one line
+
+
+def test_refuses_an_unreadable_or_empty_index_in_one_line(tmp_path, capsys):
+    source = tiny_llama(tmp_path / "src", max_shard_size="40KB", num_key_value_heads=2)
+    index = source / "model.safetensors.index.json"
+    for content, message in ((b"\xff\xfe{not text", "is not UTF-8 text: is it a weight index?"),
+                             (json.dumps({"weight_map": {}}).encode(), "its `weight_map` is empty")):
+        index.write_bytes(content)
+        err = _refused(tmp_path, capsys, source, message)
+        assert message in err.strip().splitlines()[-1], err  # one line
+
+
+def test_a_gguf_tokenizer_transformers_cannot_rebuild_is_one_line(tmp_path, capsys):
+    import gguf
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**TINY, num_key_value_heads=2)).eval()
+    path = tmp_path / "tiny.gguf"
+    original = gguf.GGUFWriter.write_header_to_file
+
+    def with_a_strange_tokenizer(writer, *args, **kwargs):
+        writer.add_tokenizer_model("weird")
+        writer.add_token_list([f"t{i}" for i in range(96)])
+        return original(writer, *args, **kwargs)
+
+    gguf.GGUFWriter.write_header_to_file = with_a_strange_tokenizer
+    try:
+        write_tiny_gguf(path, model)
+    finally:
+        gguf.GGUFWriter.write_header_to_file = original
+    err = _refused(tmp_path, capsys, path, "cannot rebuild the tokenizer stored in")
+    assert "Hugging Face folder instead" in err.strip().splitlines()[-1], err  # one line
 
 
 @pytest.mark.parametrize("outside", ["../elsewhere/model.safetensors", "{elsewhere}/model.safetensors"],
@@ -557,6 +680,9 @@ def test_verify_tolerance_is_checked_when_parsed(tmp_path, capsys, tolerance):
     (["--max-shard-size", "0"], "argument --max-shard-size: expected a positive size"),
     (["--seed", str(2**64)], f"argument --seed: must be less than {2**64}"),
     (["--seed", "-1"], "argument --seed: must be at least 0"),
+    (["--tau-init", "nan"], "argument --tau-init: must be a finite number, got nan"),
+    (["--bias-init-std", "inf"], "argument --bias-init-std: must be a finite number, got inf"),
+    (["--bias-init-std", "-1"], "argument --bias-init-std: must be at least 0.0, got -1"),
 ])
 def test_sizes_and_seeds_are_checked_when_parsed(tmp_path, capsys, option, message):
     with pytest.raises(SystemExit) as exit_info:
