@@ -765,7 +765,7 @@ def convert(
                            dtype=dtype)
     _check_output_path(output)
     settings = {
-        "source": str(source),
+        "source": source.resolve().name,  # the name only: the file is published with the model (lazy-push)
         "source_format": plan.source_format,
         "tau_init": tau_init,
         "bias_window": plan.config.lazy_bias_window,

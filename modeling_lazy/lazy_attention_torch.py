@@ -692,13 +692,14 @@ def _decode_scores(query, key, distance_bias, metadata: LazyMetadata, scaling, d
 
 def _decode_weights(scores, tau, distance_bias, metadata: LazyMetadata, dtype) -> torch.Tensor:
     """`a = max(0, softmax + tau / n)` in place of a fresh softmax buffer; invisible keys and rows without a
-    normaliser (softmax gives NaN there: all their scores are -inf) get 0."""
+    normaliser (softmax gives NaN there: all their scores are -inf) get 0. A NaN score (a NaN in a key or query)
+    keeps its row NaN, as in the reference."""
     bsz, num_heads, q_len, k_len = scores.shape
     weights = torch.softmax(scores, dim=-1)
     n = metadata.q_pos.to(dtype).add_(1.0).view(bsz, 1, q_len, 1)
     weights.addcdiv_(tau.to(dtype).view(1, num_heads, 1, 1), n).clamp_min_(0.0)  # p + tau / n, one pass
     if not metadata.causal:
-        hidden = ~lazy_visibility(metadata) | torch.isnan(weights[..., :1])
+        hidden = ~lazy_visibility(metadata) | torch.isneginf(scores.amax(-1, keepdim=True))  # (NaN: its max)
         return weights.masked_fill_(hidden, 0.0)
     for row in range(q_len - 1):  # future keys: p = 0 there, but p + tau / n > 0 when tau > 0
         first_future = metadata.key_offset + row + 1

@@ -103,7 +103,9 @@ def test_sharded_input_and_output_written_completely(tmp_path):
     for name in ("configuration_lazy.py", "modeling_lazy.py", "lazy_attention_torch.py", "README.md",
                  "generation_config.json", "lazy_conversion.json"):
         assert (out / name).is_file(), name
-    assert json.loads((out / "lazy_conversion.json").read_text())["exact"] is True
+    settings = json.loads((out / "lazy_conversion.json").read_text())
+    assert settings["exact"] is True
+    assert settings["source"] == source.name  # no local path: lazy-push publishes this file
     assert_same_as_source(source, out)
 
 

@@ -114,6 +114,26 @@ def test_decode_rows_without_a_normaliser_give_zero(tau_value, v_read, rng_seed,
     torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4, msg=f"seed {rng_seed}")
 
 
+@pytest.mark.parametrize("v_read", list(V_READS))
+@pytest.mark.parametrize("layout", ["causal", "padded"])
+def test_a_nan_in_a_visible_key_makes_its_rows_nan_as_in_the_reference(layout, v_read, rng_seed, monkeypatch):
+    """A NaN score is not a row without a normaliser (all scores -inf, output 0): the rows that see the NaN key
+    stay NaN, as in the reference (a float16 overflow is not hidden); the other rows are unaffected."""
+    _use(v_read, monkeypatch)
+    bsz, heads, kv_heads, q_len, past, dim = 3, 4, 2, 3, 12, 8
+    meta = _metadata(layout, bsz, past, q_len)
+    q = torch.randn(bsz, heads, q_len, dim)
+    k, v = torch.randn(bsz, kv_heads, past + q_len, dim), torch.randn(bsz, kv_heads, past + q_len, dim)
+    k[1, 0, past] = float("nan")  # row 1, key/value head 0: seen by its query heads 0 and 1
+    tau, bias = _tau("mixed", heads), torch.randn(heads, 8)
+    want, _ = ref.lazy_attention_reference(q, k, v, tau, bias, meta, dim**-0.5)
+    with torch.no_grad():
+        got = ops.lazy_attention_torch(q, k, v, tau, bias, meta, dim**-0.5)
+    assert torch.equal(got.isnan(), want.isnan()) and got[1, :, :2].isnan().all(), f"seed {rng_seed}"
+    valid = (meta.q_seg >= 0)[..., None, None].expand_as(got) & ~want.isnan()
+    torch.testing.assert_close(got[valid], want[valid], atol=2e-5, rtol=1e-4, msg=f"seed {rng_seed}")
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64], ids=["bf16", "fp64"])
 def test_decode_other_dtypes(dtype, rng_seed, monkeypatch):
     monkeypatch.setattr(ops, "_SPARSE_V_MIN_KEYS", 0)
