@@ -60,6 +60,7 @@ from lazy_llama_tools.folders import (
     is_empty_folder,
     lock_target,
     publish_folder,
+    raise_swallowed_interrupt,
     remove_leftovers,
     temporary_folder,
     terminations_as_interrupts,
@@ -798,6 +799,7 @@ def convert(
                         f"verification failed: max abs logit difference {diff:.3e} > tolerance {verify_tolerance:.1e}."
                     )
             make_shareable(tmp)
+            raise_swallowed_interrupt()
             with deferred_signals():  # an interrupt waits until OUT is the old or the new folder, and we know which
                 if not publish_folder(tmp, output, replace=overwrite):
                     raise ConversionError(f"{output} was filled by someone else during the conversion: nothing "

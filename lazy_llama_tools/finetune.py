@@ -51,6 +51,7 @@ from lazy_llama_tools.folders import (
     deferred_signals,
     is_empty_folder,
     publish_folder,
+    raise_swallowed_interrupt,
     temporary_folder,
     terminations_as_interrupts,
 )
@@ -628,6 +629,7 @@ def finetune(args, training_args: TrainingArguments) -> LazyTrainer:
         if resume is None:
             print(f"no complete checkpoint in {training_args.output_dir}: starting from scratch", file=sys.stderr)
     trainer.train(resume_from_checkpoint=resume)
+    raise_swallowed_interrupt()
     with deferred_signals():  # an interrupt waits until the final model is in place
         save_final_model(trainer, tokenizer, training_args.output_dir)
     if evaluation is not None:

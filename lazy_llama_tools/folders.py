@@ -16,7 +16,9 @@ What holds, for a target folder `T` (hidden names live beside it, in the same fi
 - `deferred_signals()` holds Ctrl-C, SIGTERM and SIGHUP back while a block runs and delivers them after, so
   the caller can finish a swap (and know that it finished) before it is interrupted.
 - `terminations_as_interrupts()` makes SIGTERM and SIGHUP (a closed terminal) raise `KeyboardInterrupt` like
-  Ctrl-C, so one clean-up path serves all three.
+  Ctrl-C, so one clean-up path serves all three, and notes every such signal: `raise_swallowed_interrupt()`, called
+  before publishing, raises again one whose `KeyboardInterrupt` Python swallowed (it ignores exceptions raised in a
+  weakref callback or a `__del__`, where a signal can land).
 """
 
 import ctypes
@@ -169,16 +171,21 @@ def deferred_signals(signals=INTERRUPT_SIGNALS) -> Iterator[None]:
             signal.raise_signal(number)
 
 
+_SIGNALS_NOTED: list[int] = []  # signals `terminations_as_interrupts` turned into KeyboardInterrupt
+
+
 @contextmanager
 def terminations_as_interrupts() -> Iterator[None]:
-    """In the block, SIGTERM and SIGHUP raise `KeyboardInterrupt` (in the main thread) as Ctrl-C does."""
+    """In the block, SIGTERM and SIGHUP raise `KeyboardInterrupt` (in the main thread) as Ctrl-C does, and each of
+    the three is noted for `raise_swallowed_interrupt()`."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
     previous = {}
+    _SIGNALS_NOTED.clear()
     try:
         for number in INTERRUPT_SIGNALS:
-            if number != signal.SIGINT:
+            if number != signal.SIGINT or signal.getsignal(number) is signal.default_int_handler:
                 previous[number] = signal.signal(number, _raise_keyboard_interrupt)
         yield
     finally:
@@ -187,7 +194,18 @@ def terminations_as_interrupts() -> Iterator[None]:
 
 
 def _raise_keyboard_interrupt(signum, frame):
+    _SIGNALS_NOTED.append(signum)
     raise KeyboardInterrupt(f"signal {signal.Signals(signum).name}")
+
+
+def raise_swallowed_interrupt() -> None:
+    """Raise `KeyboardInterrupt` if a signal arrived in `terminations_as_interrupts()` and the run still goes on:
+    Python swallowed its exception (one raised in a weakref callback or a `__del__` is only printed). Call it before
+    publishing, so that an interrupted run publishes nothing."""
+    if _SIGNALS_NOTED:
+        signum = _SIGNALS_NOTED[0]
+        _SIGNALS_NOTED.clear()
+        raise KeyboardInterrupt(f"signal {signal.Signals(signum).name} (raised again: it was swallowed)")
 
 
 def _exchange(a: Path, b: Path) -> bool:
