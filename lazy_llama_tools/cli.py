@@ -210,8 +210,8 @@ def evaluate_parser() -> argparse.ArgumentParser:
                                      description="Sliding-window perplexity of a LazyLlama checkpoint on a text file.")
     parser.add_argument("model", metavar="MODEL", help="LazyLlama folder or Hub id (converted or trained)")
     parser.add_argument("--text", required=True, metavar="FILE", help="UTF-8 text file to score")
-    parser.add_argument("--context", type=positive_int, default=512, metavar="N",
-                        help="tokens per window (default: %(default)s)")
+    parser.add_argument("--context", type=at_least(2), default=512, metavar="N",
+                        help="tokens per window, at least 2: a token and its history (default: %(default)s)")
     parser.add_argument("--stride", type=positive_int, metavar="N",
                         help="tokens between window starts, 1..context; capped at context - 1 so that windows overlap "
                              "by a token (default: context - 1)")
@@ -320,7 +320,10 @@ def parse_finetune(argv=None):
     a deprecation line), so that no value of a TrainingArguments option can be taken for it. Exits with one line
     on bad input."""
     parser = finetune_parser()
-    argv = hyphenated(_args(argv), parser.prog)
+    # the old --model_name_or_path gets the one line below (give MODEL first), not a second about its spelling
+    argv = [token.replace("--model_name_or_path", "--model-name-or-path", 1)
+            if token.partition("=")[0] == "--model_name_or_path" else token for token in _args(argv)]
+    argv = hyphenated(argv, parser.prog)
     for index, token in enumerate(argv):
         name, sep, value = token.partition("=")
         if name == "--model-name-or-path":
@@ -362,8 +365,17 @@ def lazy_inspect(argv=None) -> int:
     return run(args)
 
 
+def parse_evaluate(argv=None) -> argparse.Namespace:
+    """`lazy-evaluate`'s arguments; a `--stride` longer than `--context` is refused here (exit status 2)."""
+    parser = evaluate_parser()
+    args = parser.parse_args(_args(argv))
+    if args.stride is not None and args.stride > args.context:
+        parser.error(f"argument --stride: must be at most --context ({args.context}), got {args.stride}")
+    return args
+
+
 def lazy_evaluate(argv=None) -> int:
-    args = evaluate_parser().parse_args(_args(argv))
+    args = parse_evaluate(argv)
     from lazy_llama_tools.evaluate import run
 
     return run(args)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from lazy_llama_tools.cli import evaluate_parser
+from lazy_llama_tools.cli import parse_evaluate
 from lazy_llama_tools.folders import write_text_whole
 from lazy_llama_tools.loading import (
     check_output_file,
@@ -40,14 +40,12 @@ def main(argv: list[str] | None = None) -> int:
     """`python -m lazy_llama_tools.evaluate`: the `lazy-evaluate` command (`lazy_llama_tools.cli.lazy_evaluate` parses
     the same
     arguments before importing torch)."""
-    return run(evaluate_parser().parse_args(argv))
+    return run(parse_evaluate(argv))
 
 
 def run(args) -> int:
     """Evaluate as the parsed `lazy-evaluate` arguments say; returns the exit status."""
     try:
-        if args.context < 2:
-            raise ValueError(f"--context must be >= 2, got {args.context}")
         if args.json:
             check_output_file(args.json, "--json")
         models = [(args.model, load_causal_lm(args.model, role="model", device=args.device, dtype=args.dtype))]

@@ -628,7 +628,13 @@ def finetune(args, training_args: TrainingArguments) -> LazyTrainer:
             print(f"skipping {path}: incomplete (no {TRAINER_STATE_NAME}; its save was interrupted)", file=sys.stderr)
         if resume is None:
             print(f"no complete checkpoint in {training_args.output_dir}: starting from scratch", file=sys.stderr)
-    trainer.train(resume_from_checkpoint=resume)
+    try:
+        trainer.train(resume_from_checkpoint=resume)
+    except ValueError as error:  # torch's optimizer refuses a state of other parameter groups
+        if resume is None or "parameter group" not in str(error):
+            raise
+        raise FinetuneError(f"{resume} was saved by a run with other trainable parameters ({one_line(error, 200)}): "
+                            "resume with that run's --mode and LoRA options, or give another --output-dir") from None
     raise_swallowed_interrupt()
     with deferred_signals():  # an interrupt waits until the final model is in place
         save_final_model(trainer, tokenizer, training_args.output_dir)

@@ -333,6 +333,12 @@ def test_hangup_stops_training_in_one_line_and_last_skips_an_incomplete_checkpoi
     assert f"skipping {out / 'checkpoint-4'}: incomplete" in capsys.readouterr().err
     state = json.loads((out / "trainer_state.json").read_text())
     assert state["global_step"] == 4 and (out / "checkpoint-4" / "trainer_state.json").is_file()
+    # resuming with other trainable parameters (another --mode): torch refuses the optimizer state; one line
+    with pytest.raises(SystemExit) as exit_info:
+        finetune.main(argv + ["--max-steps", "6", "--resume-from-checkpoint", "last", "--mode", "lazy-only"])
+    message = str(exit_info.value.code)
+    assert message.startswith(f"lazy-finetune: error: {out / 'checkpoint-4'} was saved by a run with other "
+                              "trainable parameters") and "--mode" in message and "\n" not in message, message
 
 
 def test_a_stale_gguf_quantization_note_does_not_stop_training_or_saving(workspace, tmp_path):

@@ -474,6 +474,9 @@ def test_bad_arguments_and_missing_models_are_refused_in_one_line(tiny, tmp_path
     for tool, argv, message in [
         (evaluate, [lazy, "--text", str(tmp_path / "empty.txt")], "is empty"),
         (evaluate, [lazy, "--text", text, "--max-tokens", "0"], "argument --max-tokens: must be at least 1, got 0"),
+        (evaluate, [lazy, "--text", text, "--context", "1"], "argument --context: must be at least 2, got 1"),
+        (evaluate, [lazy, "--text", text, "--context", "8", "--stride", "9"],
+         "argument --stride: must be at most --context (8), got 9"),
         (inspect_attention, [lazy, "--text", text, "--tokens", "0"], "argument --tokens: must be at least 2"),
         (inspect_attention, [lazy, "--text", text, "--repeated-length", "0"], "argument --repeated-length: must be"),
         (inspect_attention, [lazy, "--text", text, "--device", "banana"], "unknown device 'banana'"),

@@ -5,7 +5,7 @@ No GPU is needed: the triton wheel ships ptxas and cuobjdump (BENCHMARKS.md). Th
 bfloat16 builds (14 kernels, 17 block kinds, the packed decode and the paged prefill also paged, the causal fast path
 also per document (7 builds), the packed decode also from per-row key starts (2) and for any layout (2), x head dims
 64/128 x 2 GPU families = 120 compiles, ~9 min on 2 cores).
-With LAZY_AOT_ALL_DTYPES=1 the float16 builds (same lowering, also spill-free) and the float32 builds
+With LAZY_LLAMA_AOT_ALL_DTYPES=1 the float16 builds (same lowering, also spill-free) and the float32 builds
 (IEEE float32 dots: the exact path for checks, not tuned, so they spill: not checked for spills) run
 too (~7 min more). `python benchmarks/aot_compile_table.py` prints the same facts as a table; every test checks
 that table's registers and spill bytes against its own measurements. The kernels also compile as Inductor
@@ -71,8 +71,8 @@ def test_every_kernel_compiles_for_sm80_and_sm90_without_spills():
     _check(rows)
 
 
-ALL_DTYPES = pytest.mark.skipif(os.environ.get("LAZY_AOT_ALL_DTYPES") != "1",
-                                reason="set LAZY_AOT_ALL_DTYPES=1 for the float16/float32 builds (~7 min)")
+ALL_DTYPES = pytest.mark.skipif(os.environ.get("LAZY_LLAMA_AOT_ALL_DTYPES") != "1",
+                                reason="set LAZY_LLAMA_AOT_ALL_DTYPES=1 for the float16/float32 builds (~7 min)")
 
 
 @ALL_DTYPES
