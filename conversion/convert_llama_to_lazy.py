@@ -65,7 +65,7 @@ from lazy_llama_tools.folders import (
     temporary_folder,
     terminations_as_interrupts,
 )
-from lazy_llama_tools.loading import DTYPES, one_line, without_gguf_quantization
+from lazy_llama_tools.loading import DTYPES, listed, one_line, without_gguf_quantization
 from modeling_lazy.modeling_lazy import (
     AUTO_MAP,
     LazyLlamaForCausalLM,
@@ -198,10 +198,6 @@ GGUF_LAYER_TENSORS = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", 
 LLAMA3_META_SETTING = (1.0, 4.0, 8192)
 
 
-def _names(items: list[str]) -> str:
-    return ", ".join(items[:5]) + (f" and {len(items) - 5} more" if len(items) > 5 else "")
-
-
 def checked_gguf_config(source: Path, config: dict) -> dict:
     """The GGUF's config (as transformers reads it) with its RoPE scaling, after checking that its tensors are
     exactly a Llama's: transformers' GGUF loader drops tensors it has no place for (biases, experts) and
@@ -219,11 +215,11 @@ def checked_gguf_config(source: Path, config: dict) -> dict:
         needed.add("output.weight")
     unknown = sorted(names - needed - {"output.weight", "rope_freqs.weight"})
     if unknown:
-        raise ConversionError(f"{source} holds tensors a Llama has no place for ({_names(unknown)}): biases, experts "
+        raise ConversionError(f"{source} holds tensors a Llama has no place for ({listed(unknown)}): biases, experts "
                               "or another architecture's weights would be dropped. Not converted.")
     missing = sorted(needed - names)
     if missing:
-        raise ConversionError(f"{source} lacks tensors a Llama needs: {_names(missing)}.")
+        raise ConversionError(f"{source} lacks tensors a Llama needs: {listed(missing)}.")
     config = dict(config)
     scaling_field = "llama.rope.scaling.type"
     scaling = str(read_field(reader, scaling_field)[0]) if scaling_field in reader.fields else "none"
@@ -384,7 +380,7 @@ def _iter_file(path: Path, kind: str) -> Iterator[tuple[str, torch.Tensor]]:
                 state = torch.load(path, map_location="cpu", weights_only=True)
             if not isinstance(state, dict) or not all(
                     isinstance(name, str) and isinstance(tensor, torch.Tensor) for name, tensor in state.items()):
-                found = f"a dict with keys {_names([repr(k) for k in state])}" if isinstance(state, dict) else \
+                found = f"a dict with keys {listed([repr(k) for k in state])}" if isinstance(state, dict) else \
                     f"a {type(state).__name__}"
                 raise ConversionError(f"{path.name} is not a state dict (tensor names to tensors) but {found}: save "
                                       "the model with save_pretrained and convert that folder.")
@@ -560,8 +556,7 @@ def _check_existing_output(output: Path, overwrite: bool) -> None:
     if not overwrite:
         raise ConversionError(f"{output} already exists and is not empty: pass --overwrite to replace it.")
     if not looks_like_model_folder(output):
-        names = sorted(path.name for path in output.iterdir())
-        shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+        shown = listed(sorted(path.name for path in output.iterdir()))
         raise ConversionError(
             f"refusing to --overwrite {output}: it does not look like a model folder (no {CONFIG_FILE} with "
             f"weights beside it) and holds {shown}. Move those files away or choose another OUT."
@@ -622,8 +617,7 @@ def write_weights(plan: ConversionPlan, folder: Path, max_bytes: int, *, tau_ini
     lazy_names = plan.lazy_names
     missing = [n for n in plan.expected if n not in seen and n not in lazy_names]
     if missing:
-        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
-        raise ConversionError(f"missing weights in the source: {shown}.")
+        raise ConversionError(f"missing weights in the source: {listed(missing)}.")
     generator = torch.Generator().manual_seed(seed)
     for name in lazy_names:  # the new Lazy Attention parameters, always float32
         shape = plan.expected[name]
@@ -664,7 +658,7 @@ def _gguf_tensors(source: Path, dtype: torch.dtype) -> Iterator[tuple[str, torch
         raise ConversionError(f"cannot load GGUF weights from {source}: {type(error).__name__}: {error}") from error
     left_out = sorted(info.get("missing_keys", ())) + sorted(info.get("unexpected_keys", ()))
     if left_out:  # (the tensor check before should have caught these)
-        raise ConversionError(f"the GGUF loader could not place every weight of {source}: {_names(left_out)}.")
+        raise ConversionError(f"the GGUF loader could not place every weight of {source}: {listed(left_out)}.")
     state = model.state_dict()
     del model
     for name in list(state):

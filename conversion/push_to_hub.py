@@ -45,6 +45,7 @@ from conversion.checkpoint_files import (
 )
 from conversion.model_card import card_for_push, load_statistics
 from lazy_llama_tools.cli import PUSH_COMMIT_MESSAGE, PUSH_RETRIES, PUSH_TIMEOUT, push_parser
+from lazy_llama_tools.loading import listed
 from modeling_lazy.modeling_lazy import LAZY_PARAMETER_NAMES
 
 try:  # the HTTP client huggingface_hub uses (httpx2 in huggingface_hub >= 2, httpx before) and its connections
@@ -521,7 +522,7 @@ def _summarise(paths: list[str], shown: int = 6) -> str:
         top = path.split("/", 1)[0] + ("/" if "/" in path else "")
         groups[top] = groups.get(top, 0) + 1
     items = [f"{name} ({count} files)" if name.endswith("/") else name for name, count in groups.items()]
-    return ", ".join(items[:shown]) + (f" and {len(items) - shown} more" if len(items) > shown else "")
+    return listed(items, shown)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -473,8 +473,8 @@ def training_arguments(args, training_argv: list[str]) -> TrainingArguments:
     except ValueError as error:  # TrainingArguments refuses a combination (e.g. --bf16 true on a CPU)
         parser.error(one_line(error))
     if unknown:
-        parser.error(f"unrecognized arguments: {' '.join(unknown)} (`lazy-finetune --help` and --help-training "
-                     "list the options)")
+        parser.error(f"unrecognized arguments: {' '.join(unknown)} (`lazy-finetune --help` and --help-training list "
+                     "the options)")
     for field in dataclasses.fields(training_args):  # a NaN learning rate trains a NaN model without a word
         value = getattr(training_args, field.name)
         if isinstance(value, float) and not math.isfinite(value):

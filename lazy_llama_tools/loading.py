@@ -51,6 +51,11 @@ def one_line(error: BaseException, limit: int = 400) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+def listed(items: list[str], shown: int = 5) -> str:
+    """`a, b, c and 4 more`: the first `shown` items of a list for a message."""
+    return ", ".join(items[:shown]) + (f" and {len(items) - shown} more" if len(items) > shown else "")
+
+
 # ------------------------------------------------------------------------------------------------ arguments
 
 
