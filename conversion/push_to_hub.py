@@ -50,12 +50,19 @@ from modeling_lazy.modeling_lazy import LAZY_PARAMETER_NAMES
 
 try:  # the HTTP client huggingface_hub uses (httpx2 in huggingface_hub >= 2, httpx before) and its connections
     import httpcore2 as httpcore
+    from httpx2 import (
+        BaseTransport,
+        NetworkError,
+        RemoteProtocolError,
+        SyncByteStream,
+        TimeoutException,
+        TransportError,
+    )
     from httpx2 import Timeout as HTTPTimeout
-    from httpx2 import TimeoutException, TransportError
 except ImportError:
     import httpcore
+    from httpx import BaseTransport, NetworkError, RemoteProtocolError, SyncByteStream, TimeoutException, TransportError
     from httpx import Timeout as HTTPTimeout
-    from httpx import TimeoutException, TransportError
 
 NETWORK_ERRORS = (OSError, TransportError)  # connection refused, DNS, reset, timeout
 RETRIED_STATUSES = (429, 502, 503, 504)  # rate limit and gateway trouble pass; a 500 is reported at once
@@ -324,6 +331,7 @@ def _outcome(action: str) -> str:
 
 def _unreachable(error: Exception, action: str, endpoint: str, timeout: float, attempts: int) -> PushError:
     outcome = _outcome(action)
+    error = error.error if isinstance(error, _Unanswered) else error
     if isinstance(error, TimeoutException):
         return PushError(f"{action} failed: the Hub at {endpoint} did not answer within {timeout:g} s "
                          f"({attempts} attempt(s)); {outcome}, or allow more time with --timeout.")
@@ -361,6 +369,54 @@ def _call_hub(action: str, call, *, repo_id: str, endpoint: str, timeout: float,
                 f"{action} failed: {endpoint} answered with something that is not the Hub's JSON (a captive portal "
                 f"or a proxy's page?); check HF_ENDPOINT and the network; {_outcome(action)}."
             ) from error
+
+
+_RETRIED_BY_THE_LIBRARY = (TimeoutException, NetworkError, RemoteProtocolError)  # by huggingface_hub's http_backoff
+
+
+class _Unanswered(OSError):
+    """A request that timed out or lost its connection. huggingface_hub retries its own errors for some requests
+    (pre-upload, LFS: five more times, with pauses); this one it passes on, so that `_call_hub` alone retries, as
+    often as `--retries` says."""
+
+    def __init__(self, error: Exception):
+        super().__init__(str(error))
+        self.error = error
+
+
+class _OneAttemptStream(SyncByteStream):
+    """An answer's body, whose time-outs and lost connections are `_Unanswered` too (the body is read after the
+    transport has returned)."""
+
+    def __init__(self, stream: SyncByteStream):
+        self.stream = stream
+
+    def __iter__(self):
+        try:
+            yield from self.stream
+        except _RETRIED_BY_THE_LIBRARY as error:
+            raise _Unanswered(error) from error
+
+    def close(self) -> None:
+        self.stream.close()
+
+
+class _OneAttemptTransport(BaseTransport):
+    """`transport`, with its time-outs and lost connections raised as `_Unanswered`."""
+
+    def __init__(self, transport: BaseTransport):
+        self.transport = transport
+
+    def handle_request(self, request):
+        try:
+            response = self.transport.handle_request(request)
+        except _RETRIED_BY_THE_LIBRARY as error:
+            raise _Unanswered(error) from error
+        response.stream = _OneAttemptStream(response.stream)
+        return response
+
+    def close(self) -> None:
+        self.transport.close()
 
 
 class _AnswerDeadlineStream(httpcore.NetworkStream):
@@ -413,7 +469,8 @@ class _AnswerDeadlineBackend(httpcore.NetworkBackend):
 def request_timeout(seconds: float):
     """Every request huggingface_hub sends in the block gives up after at most `seconds` without progress
     (connect, send, answer), also where the library asked for no time-out, and when its answer has not arrived
-    whole `seconds` after it was sent; the previous client setup returns after."""
+    whole `seconds` after it was sent, and is not retried by the library (`_Unanswered`); the previous client setup
+    returns after."""
     previous = hub_http._GLOBAL_CLIENT_FACTORY
 
     def enforce(request):
@@ -432,6 +489,9 @@ def request_timeout(seconds: float):
             pool = getattr(transport, "_pool", None)
             if pool is not None:
                 pool._network_backend = _AnswerDeadlineBackend(pool._network_backend, seconds)
+        client._transport = _OneAttemptTransport(client._transport)
+        client._mounts = {pattern: transport if transport is None else _OneAttemptTransport(transport)
+                          for pattern, transport in client._mounts.items()}
         return client
 
     set_client_factory(factory)

@@ -10,8 +10,12 @@ The file only uses sibling imports, so it travels flat with a checkpoint (`trust
 """
 
 import copy
+import errno
+import glob
 import os
+import re
 import shutil
+import uuid
 from collections.abc import Callable
 
 import torch
@@ -301,6 +305,51 @@ def code_files() -> list[str]:
     return files
 
 
+_SAVED_WEIGHTS = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors|model\.safetensors\.index\.json")
+
+
+def _staging_folder(target: str) -> str:
+    """A new hidden folder `.NAME.saving-PID-XXXXXXXX` beside `target` (same file system: renames are moves), after
+    removing those of saves whose process is gone (killed before it could clean up)."""
+    parent, name = os.path.split(target)
+    for left in glob.glob(os.path.join(parent, glob.escape(f".{name}.saving-") + "*")):
+        pid = os.path.basename(left)[len(name) + 9:].split("-")[0]
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            shutil.rmtree(left, ignore_errors=True)
+        except (ValueError, OSError):
+            pass  # not ours, or alive under another user: leave it
+    path = os.path.join(parent, f".{name}.saving-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    os.mkdir(path)  # the umask's permissions, as `os.makedirs` would give the target
+    return path
+
+
+def _move_into(staging: str, target: str) -> None:
+    """Put the complete `staging` folder's files at `target`.
+
+    An absent or empty `target` is replaced by `staging` in one rename. Otherwise `target` may hold other things
+    (a Trainer's checkpoints, a tokenizer), so each file is renamed over its old version: weights and their index
+    first, `config.json` last (what a loader reads first), after removing the weight files of an earlier save that
+    this one does not write (a stale `model.safetensors` would shadow new shards, as stale shards an index)."""
+    try:
+        os.rename(staging, target)
+        return
+    except OSError as error:
+        if error.errno not in (errno.EEXIST, errno.ENOTEMPTY):
+            raise
+    names = sorted(os.listdir(staging),
+                   key=lambda name: (name == "config.json", _SAVED_WEIGHTS.fullmatch(name) is None))
+    for old in os.listdir(target):
+        if _SAVED_WEIGHTS.fullmatch(old) and old not in names:
+            os.remove(os.path.join(target, old))
+    for name in names:
+        destination = os.path.join(target, name)
+        if os.path.isdir(destination) and not os.path.islink(destination):
+            shutil.rmtree(destination)
+        os.replace(os.path.join(staging, name), destination)
+
+
 class LazyLlamaPreTrainedModel(PreTrainedModel):
     config_class = LazyLlamaConfig
     config: LazyLlamaConfig
@@ -354,11 +403,17 @@ class LazyLlamaPreTrainedModel(PreTrainedModel):
             init.constant_(module.tau, self.config.lazy_tau_init)
             init.normal_(module.distance_bias, mean=0.0, std=self.config.lazy_bias_init_std)
 
-    def save_pretrained(self, save_directory, *args, **kwargs):
-        """`PreTrainedModel.save_pretrained`, plus the flat code files and a full `auto_map`.
+    def save_pretrained(self, save_directory, *args, is_main_process: bool = True, push_to_hub: bool = False,
+                        **kwargs):
+        """`PreTrainedModel.save_pretrained`, plus the flat code files and a full `auto_map`, written so that an
+        interrupted save loses nothing.
 
         The result loads with `AutoModelForCausalLM.from_pretrained(dir, trust_remote_code=True)` in a Python
-        where this project is not installed. `push_to_hub` saves through here, so it uploads the code too.
+        where this project is not installed. Everything is written into a hidden folder beside `save_directory`
+        first and moved into place when complete (`_move_into`): a new (or empty) folder appears whole, in one
+        rename; into a folder that already holds files, each file is renamed over its old version, weights first
+        and `config.json` last. `push_to_hub` saves through here, so it uploads the code too; so does
+        `save_pretrained(..., push_to_hub=True)`, which uploads the complete folder once it is in place.
         """
         self.config.auto_map = dict(AUTO_MAP)
         state_dict = kwargs.get("state_dict")
@@ -367,10 +422,23 @@ class LazyLlamaPreTrainedModel(PreTrainedModel):
             state_dict = self.state_dict()  # e.g. after model.double(): tau and distance_bias are saved float32 anyway
         if state_dict is not None:
             kwargs["state_dict"] = {n: t.float() if is_lazy_parameter(n) else t for n, t in state_dict.items()}
-        result = super().save_pretrained(save_directory, *args, **kwargs)
-        if kwargs.get("is_main_process", True):
+        target = os.path.abspath(os.fspath(save_directory))
+        if not is_main_process or os.path.isfile(target):  # other ranks write nothing; a file: transformers says so
+            return super().save_pretrained(save_directory, *args, is_main_process=is_main_process, **kwargs)
+        hub = {name: kwargs.pop(name) for name in ("repo_id", "commit_message", "create_pr", "private")
+               if name in kwargs}
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        staging = _staging_folder(target)
+        try:
+            result = super().save_pretrained(staging, *args, **kwargs)
             for path in code_files():
-                shutil.copyfile(path, os.path.join(save_directory, os.path.basename(path)))
+                shutil.copyfile(path, os.path.join(staging, os.path.basename(path)))
+            _move_into(staging, target)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+        if push_to_hub:
+            repo_id = hub.pop("repo_id", os.path.basename(target))
+            self.push_to_hub(repo_id, token=kwargs.get("token"), **hub)
         return result
 
     def push_to_hub(self, repo_id: str, *args, tags: list[str] | None = None, **kwargs):

@@ -136,7 +136,7 @@ class FakeHub:
     def fail(self, method: str, path_contains: str, status: int = 500, times: int = 1,
              body: bytes | None = None) -> None:
         """Answer the next `times` requests `method` whose path contains `path_contains` with `status` (and `body`,
-        if given, instead of the Hub's JSON error)."""
+        if given, instead of the Hub's JSON error); `status=0` closes the connection without an answer."""
         with self._lock:
             self._failures.append(_Failure(method.upper(), path_contains, status, times, body))
 
@@ -197,7 +197,9 @@ class _Handler(BaseHTTPRequestHandler):
         failure = self.hub._injected_failure(method, path)
         status = None
         try:
-            if failure is not None and failure.body is not None:
+            if failure is not None and failure.status == 0:
+                self.close_connection = True  # the client sees the connection end where the answer should be
+            elif failure is not None and failure.body is not None:
                 status = self._send(failure.status, failure.body, head=method == "HEAD")
             elif failure is not None:
                 raise HubError(failure.status, f"Injected failure {failure.status} for {method} {path}")

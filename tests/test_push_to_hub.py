@@ -186,6 +186,20 @@ def test_model_push_to_hub_uploads_code_and_full_auto_map(hub, published):
     assert "- lazy-attention" in files["README.md"].decode() and "- custom_code" in files["README.md"].decode()
 
 
+def test_save_pretrained_with_push_uploads_the_code_too(client, tmp_path):
+    """`save_pretrained(dir, push_to_hub=True)` (transformers uploads from inside the save) uploads the complete
+    folder: the code files and the full `auto_map` as `push_to_hub` does, and the folder is written locally."""
+    model = tiny_model(seed=3)
+    model.save_pretrained(tmp_path / "saved", push_to_hub=True, repo_id="alice/tiny-save-push",
+                          commit_message="saved and pushed")
+    files = client.repos["alice/tiny-save-push"].files()
+    for name in ["config.json", "model.safetensors", *CODE_FILES]:
+        assert name in files, f"{name} was not uploaded"
+        assert files[name] == (tmp_path / "saved" / name).read_bytes(), name
+    assert json.loads(files["config.json"])["auto_map"] == AUTO_MAP
+    assert client.repos["alice/tiny-save-push"].resolve("main").message == "saved and pushed"
+
+
 LOADER = textwrap.dedent("""
     import torch
     from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
@@ -471,6 +485,19 @@ def test_a_hub_that_trickles_its_answer_times_out_like_a_silent_one(checkpoint, 
     lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert len(lines) == 1 and "did not answer within 1 s (1 attempt(s))" in lines[0], lines
     assert server.accepted >= 1 and elapsed < 8, f"took {elapsed:.1f} s"
+
+
+def test_lost_connections_are_retried_as_often_as_asked_also_where_the_library_retries(client, checkpoint, capsys):
+    """huggingface_hub retries some requests by itself (the pre-upload: five more times, with pauses); `--retries`
+    alone counts: one request and one retry, then one line."""
+    client.fail("POST", "/alice/dropped/preupload/", status=0, times=100)
+    started = time.monotonic()
+    assert main([str(checkpoint[0]), "alice/dropped", "--timeout", "5", "--retries", "1"]) == 1
+    elapsed = time.monotonic() - started
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(lines) == 1 and "cannot reach the Hub" in lines[0] and "; 2 attempt(s))" in lines[0], lines
+    assert len(client.requests("POST", "/alice/dropped/preupload/")) == 2
+    assert elapsed < 20, f"took {elapsed:.0f} s"
 
 
 def test_an_answer_that_is_not_json_names_the_step_and_the_endpoint(client, checkpoint, capsys):

@@ -115,3 +115,78 @@ def test_trust_remote_code_in_a_python_without_the_project(tmp_path, rng_seed):
     out = torch.load(tmp_path / "out.pt")
     torch.testing.assert_close(out["logits"], model(ids).logits, atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(out["hidden"], model.model(ids).last_hidden_state, atol=1e-6, rtol=1e-6)
+
+
+def _files(folder):
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir()) if p.is_file()}
+
+
+def test_an_interrupted_save_loses_nothing(tmp_path, monkeypatch, rng_seed):
+    """A save that stops part way (here Ctrl-C while the code files are copied, after the weights and config are
+    written) leaves no folder where there was none, and an earlier save untouched; no hidden folder stays behind."""
+    import shutil
+
+    copy = shutil.copyfile
+    copied = []
+
+    def interrupted(source, destination):
+        if len(copied) == 3:
+            raise KeyboardInterrupt
+        copied.append(source)
+        return copy(source, destination)
+
+    new = tmp_path / "new"
+    old = tmp_path / "old"
+    tiny_model(seed=1).save_pretrained(old)
+    (old / "notes.txt").write_text("mine")
+    before = _files(old)
+    model = tiny_model(seed=2)
+    with monkeypatch.context() as patch:
+        patch.setattr(shutil, "copyfile", interrupted)
+        for target in (new, old):
+            copied.clear()
+            try:
+                model.save_pretrained(target)
+            except KeyboardInterrupt:
+                pass
+            else:
+                raise AssertionError("the interruption did not happen")
+    assert not new.exists()
+    assert _files(old) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["old"]
+
+
+def test_saving_over_a_folder_replaces_the_model_and_keeps_other_files(tmp_path, rng_seed):
+    """A second save into the same folder: the new model loads (no weight file of the old save shadows it: shards
+    after a single file, a single file after shards), and files that are not the model's stay."""
+    folder = tmp_path / "model"
+    for seed, shard in ((1, "20KB"), (2, None), (3, "20KB")):
+        model = tiny_model(seed=seed)
+        model.save_pretrained(folder, **({"max_shard_size": shard} if shard else {}))
+        (folder / "trainer_state.json").write_text("{}")
+        weights = sorted(p.name for p in folder.glob("model[.-]*"))
+        assert weights == (["model.safetensors"] if shard is None else
+                           sorted([*(p.name for p in folder.glob("model-*-of-*.safetensors")),
+                                   "model.safetensors.index.json"])), weights
+        loaded = LazyLlamaForCausalLM.from_pretrained(folder)
+        for name, tensor in model.state_dict().items():
+            assert torch.equal(tensor, loaded.state_dict()[name]), name
+    assert (folder / "trainer_state.json").exists() and (folder / "modeling_lazy.py").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]
+
+
+def test_a_save_killed_earlier_is_cleaned_up(tmp_path):
+    """The hidden folder of a save whose process died (SIGKILL) goes at the next save into the same place; one of
+    a live process stays."""
+    import subprocess
+    import sys
+
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead = tmp_path / f".model.saving-{int(gone.stdout)}-0badcafe"
+    alive = tmp_path / f".model.saving-{os.getpid()}-0badcafe"
+    for leftover in (dead, alive):
+        leftover.mkdir()
+        (leftover / "model.safetensors").write_bytes(b"half")
+    tiny_model(seed=0).save_pretrained(tmp_path / "model")
+    assert not dead.exists() and alive.exists()
+    assert LazyLlamaForCausalLM.from_pretrained(tmp_path / "model") is not None
