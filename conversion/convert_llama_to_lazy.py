@@ -366,6 +366,52 @@ def _source_dtype(source_config: dict, source_format: str, files: list[Path]) ->
     return "float32"
 
 
+_JSON_COMPANIONS = tuple(name for name in (*TOKENIZER_FILES, GENERATION_CONFIG_FILE) if name.endswith(".json"))
+
+
+def _check_companions(source: Path) -> None:
+    """The tokenizer and generation config files of a folder are copied as they are: refuse, before anything is
+    written, one that cannot be read (the checkpoint would load its weights and fail on its tokenizer)."""
+    for name in _JSON_COMPANIONS:
+        path = source / name
+        if not path.is_file():
+            continue
+        try:
+            value = json.loads(path.read_text(encoding="utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as error:
+            raise ConversionError(f"{path} is not valid JSON text ({one_line(error)}): restore it from the model's "
+                                  "original files, or remove it to convert without it.") from None
+        if not isinstance(value, dict):
+            raise ConversionError(f"{path} must hold a JSON object, got {json.dumps(value)[:40]}: restore it from the "
+                                  "model's original files, or remove it to convert without it.")
+    if (source / "tokenizer.json").is_file():
+        from tokenizers import Tokenizer
+
+        try:
+            Tokenizer.from_file(str(source / "tokenizer.json"))
+        except Exception as error:  # the library's own parse error, whatever its type
+            raise ConversionError(f"{source / 'tokenizer.json'} is not a tokenizer the tokenizers library can read "
+                                  f"({one_line(error, 200)}): restore it from the model's original files, or remove "
+                                  "it to convert without it.") from None
+
+
+def _check_layer_count(count: int, source_format: str, files: list[Path]) -> None:
+    """`num_hidden_layers` against the layers the safetensors headers name, before a model of that many layers is
+    built to check shapes against (a typo such as 3200000 for 32 would take minutes and gigabytes first)."""
+    if source_format != "safetensors":
+        return
+    layers = set()
+    for path in files:
+        with contextlib.suppress(Exception), safe_open(str(path), framework="pt") as handle:  # reported when read
+            layers.update(int(found[1]) for name in handle.keys() if (found := _LAYER_INDEX.match(name)))
+    if layers and count != max(layers) + 1:
+        raise ConversionError(f"config.json gives num_hidden_layers = {count}, but the weights hold layers 0-"
+                              f"{max(layers)} ({max(layers) + 1} layers): correct num_hidden_layers or the weights.")
+
+
+_LAYER_INDEX = re.compile(r"(?:model\.)?layers\.(\d+)\.")
+
+
 def _iter_file(path: Path, kind: str) -> Iterator[tuple[str, torch.Tensor]]:
     """Tensors of one source file, one at a time (safetensors are memory-mapped; .bin never unpickles)."""
     try:
@@ -523,12 +569,14 @@ def plan_conversion(source: Path, output: Path, *, tau_init: float, bias_window:
         source_format, files = "gguf", [source]
     else:
         source_format, files = source_weight_files(source)
+        _check_companions(source)
     dtype_name = _source_dtype(source_config, source_format, files) if dtype == "auto" else dtype
     if dtype_name not in DTYPES:
         raise ConversionError(f"source dtype {dtype_name!r} is not supported: pass --dtype {'|'.join(DTYPES)}.")
     config = build_lazy_config(
         source_config, tau_init=tau_init, bias_window=bias_window, bias_init_std=bias_init_std, dtype=dtype_name
     )
+    _check_layer_count(config.num_hidden_layers, source_format, files)
     return ConversionPlan(source, output, source_format, files, config, dtype_name, _expected_shapes(config))
 
 
@@ -612,8 +660,12 @@ def write_weights(plan: ConversionPlan, folder: Path, max_bytes: int, *, tau_ini
             )
         if name in seen:
             raise ConversionError(f"tensor {name!r} appears twice in the source.")
+        if not tensor.is_floating_point():
+            raise ConversionError(f"tensor {name!r} is stored as {str(tensor.dtype).removeprefix('torch.')}; a "
+                                  "Llama's weights are floating point (a quantized checkpoint?): convert the "
+                                  "unquantized model.")
         seen.add(name)
-        writer.add(name, tensor.to(plan.dtype) if tensor.is_floating_point() else tensor)
+        writer.add(name, tensor.to(plan.dtype))
     lazy_names = plan.lazy_names
     missing = [n for n in plan.expected if n not in seen and n not in lazy_names]
     if missing:

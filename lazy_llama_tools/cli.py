@@ -16,9 +16,12 @@ transformers are imported by the tool's own module after the arguments are parse
 """
 
 import argparse
+import importlib
 import math
 import re
+import signal
 import sys
+import threading
 
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16", "float64")
 DTYPE_HELP = "weights dtype: auto (the checkpoint's own), float32, bfloat16, float16 or float64 (default: auto)"
@@ -351,18 +354,41 @@ def parse_finetune(argv=None):
 # ------------------------------------------------------------------------------------------------ console scripts
 
 
+def _run_tool(prog: str, argv, module: str, *run_args) -> int:
+    """`run(*run_args)` of the tool's `module`, imported here, with SIGTERM and SIGHUP raising `KeyboardInterrupt` as
+    Ctrl-C does from the first moment: the imports take seconds (torch, transformers), and a signal there gave a
+    traceback (Ctrl-C) or a silent death (SIGTERM). Each tool's own run handles the signals that reach it later.
+    From the command line (`argv` None), signals after the tool has returned (while Python shuts down, about a
+    second with torch loaded: the output is complete) are ignored, so the exit status is the tool's."""
+    from lazy_llama_tools.folders import INTERRUPT_SIGNALS, terminations_as_interrupts
+
+    code = 1
+    try:
+        with terminations_as_interrupts():
+            code = importlib.import_module(module).run(*run_args)
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted before it began its work; nothing was written.", file=sys.stderr)
+        code = 130
+    except SystemExit as done:
+        code = done.code if isinstance(done.code, int) else int(done.code is not None)
+        raise
+    finally:
+        if argv is None and threading.current_thread() is threading.main_thread():
+            sys.stdout.flush()
+            sys.stderr.flush()
+            for number in INTERRUPT_SIGNALS:  # (a Python handler would be reset to the default while it shuts down)
+                signal.signal(number, signal.SIG_IGN)
+    return code
+
+
 def lazy_convert(argv=None) -> int:
     args = convert_parser().parse_args(_args(argv))
-    from conversion.convert_llama_to_lazy import run
-
-    return run(args)
+    return _run_tool("lazy-convert", argv, "conversion.convert_llama_to_lazy", args)
 
 
 def lazy_inspect(argv=None) -> int:
     args = inspect_parser().parse_args(_args(argv))
-    from lazy_llama_tools.inspect_attention import run
-
-    return run(args)
+    return _run_tool("lazy-inspect", argv, "lazy_llama_tools.inspect_attention", args)
 
 
 def parse_evaluate(argv=None) -> argparse.Namespace:
@@ -376,20 +402,14 @@ def parse_evaluate(argv=None) -> argparse.Namespace:
 
 def lazy_evaluate(argv=None) -> int:
     args = parse_evaluate(argv)
-    from lazy_llama_tools.evaluate import run
-
-    return run(args)
+    return _run_tool("lazy-evaluate", argv, "lazy_llama_tools.evaluate", args)
 
 
 def lazy_push(argv=None) -> int:
     args = push_parser().parse_args(_args(argv))
-    from conversion.push_to_hub import run
-
-    return run(args)
+    return _run_tool("lazy-push", argv, "conversion.push_to_hub", args)
 
 
 def lazy_finetune(argv=None) -> int:
     args, training_argv = parse_finetune(argv)
-    from lazy_llama_tools.finetune import run
-
-    return run(args, training_argv)
+    return _run_tool("lazy-finetune", argv, "lazy_llama_tools.finetune", args, training_argv)

@@ -165,3 +165,31 @@ def test_finetune_bf16_without_support_is_one_line(tmp_path, capsys, monkeypatch
     assert exit_info.value.code == 2
     last = capsys.readouterr().err.strip().splitlines()[-1]
     assert last.startswith("lazy-finetune: error:") and "bf16" in last.lower()
+
+
+@pytest.mark.parametrize("tool", ["lazy-convert", "lazy-finetune"])
+def test_a_signal_while_the_tool_starts_is_one_line(tool, tmp_path):
+    """SIGTERM while torch and transformers are imported (seconds, before the tool's own handlers exist): one line
+    and exit status 130, as later in the run, not a traceback or a silent death."""
+    import signal
+
+    function, _ = TOOLS[tool]
+    code = f"import sys\nfrom lazy_llama_tools.cli import {function}\nsys.exit({function}())"
+    args = [str(tmp_path / "src"), str(tmp_path / "out")] if tool == "lazy-convert" else [
+        str(tmp_path / "model"), "--train-file", str(tmp_path / "train.txt"), "--output-dir", str(tmp_path / "out")]
+    process = subprocess.Popen([sys.executable, "-c", code, *args], cwd=ROOT, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True,
+                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        deadline = time.monotonic() + 60
+        maps = Path(f"/proc/{process.pid}/maps")
+        while process.poll() is None and time.monotonic() < deadline and "libtorch" not in maps.read_text():
+            time.sleep(0.01)  # torch is being imported: after the console script's handlers, before the tool runs
+        process.send_signal(signal.SIGTERM)
+        _, err = process.communicate(timeout=120)
+    finally:
+        process.kill()
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert process.returncode == 130 and lines == [
+        f"{tool}: interrupted before it began its work; nothing was written."], (process.returncode, err)
+    assert list(tmp_path.iterdir()) == []  # no output, nothing hidden beside it

@@ -285,10 +285,31 @@ def test_refuses_other_architectures_and_features(tmp_path, capsys):
         ({"rope_parameters": {"rope_type": "linear", "rope_theta": 1e4, "factor": "x"}},
          "invalid configuration: the model cannot be built from it (TypeError"),
         ({"pad_token_id": 10**6}, "invalid configuration: the model cannot be built from it (AssertionError"),
+        # refused from the weights' names, before a model of that many layers is built (that took minutes)
+        ({"num_hidden_layers": 3_200_000}, "num_hidden_layers = 3200000, but the weights hold layers 0-1 (2 layers)"),
+        ({"num_hidden_layers": 10**30}, "but the weights hold layers 0-1"),
+        ({"num_hidden_layers": 1}, "num_hidden_layers = 1, but the weights hold layers 0-1 (2 layers)"),
     ):
         (source / "config.json").write_text(json.dumps({**config, **patch}))
         err = _refused(tmp_path, capsys, source, message)
         assert message in err.strip().splitlines()[-1], err  # one line
+
+
+def test_refuses_unreadable_tokenizer_and_generation_config_files_in_one_line(tmp_path, capsys):
+    """They are copied as they are: a corrupt one would give a checkpoint whose weights load and tokenizer fails."""
+    source = tiny_llama(tmp_path / "src", num_key_value_heads=2)
+    capsys.readouterr()  # the source's own save
+    for name, content, message in (
+        ("tokenizer.json", b"{not json", "tokenizer.json is not valid JSON text"),
+        ("tokenizer_config.json", bytes(range(128, 256)), "tokenizer_config.json is not valid JSON text ('utf-8'"),
+        ("special_tokens_map.json", b"[1, 2]", "special_tokens_map.json must hold a JSON object, got [1, 2]"),
+        ("generation_config.json", b"", "generation_config.json is not valid JSON text"),
+        ("tokenizer.json", b'{"model": {"type": "Nonsense"}}', "tokenizer.json is not a tokenizer the tokenizers"),
+    ):
+        (source / name).write_bytes(content)
+        err = _refused(tmp_path, capsys, source, message)
+        assert len(err.strip().splitlines()) == 1 and "remove it to convert without it" in err, err
+        (source / name).unlink()
 
 
 def test_refuses_a_config_json_that_is_not_a_json_object(tmp_path, capsys):
@@ -400,6 +421,10 @@ def test_refuses_missing_and_corrupt_weights(tmp_path, capsys):
     state.pop("model.layers.1.mlp.up_proj.weight")
     save_file({k: v.contiguous() for k, v in state.items()}, single / "model.safetensors", metadata={"format": "pt"})
     _refused(tmp_path, capsys, single, "missing weights in the source: model.layers.1.mlp.up_proj.weight")
+    # a weight stored as integers (a quantized checkpoint's packed values) is not cast to the output dtype
+    state["model.layers.1.mlp.up_proj.weight"] = torch.randint(-8, 8, (96, 64), dtype=torch.int32)
+    save_file({k: v.contiguous() for k, v in state.items()}, single / "model.safetensors", metadata={"format": "pt"})
+    _refused(tmp_path, capsys, single, "tensor 'model.layers.1.mlp.up_proj.weight' is stored as int32")
     # no weights at all
     (single / "model.safetensors").unlink()
     _refused(tmp_path, capsys, single, "no weights in")
