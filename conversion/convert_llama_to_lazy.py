@@ -642,30 +642,36 @@ def write_weights(plan: ConversionPlan, folder: Path, max_bytes: int, *, tau_ini
     """Stream the source tensors (checked against the plan) and the new Lazy Attention parameters into shards
     in `folder`. Returns (shard names, bytes)."""
     writer = ShardWriter(folder, max_bytes)
+    files = None
     if plan.source_format == "gguf":
         tensors = _gguf_tensors(plan.source, plan.dtype)
     else:
-        tensors = (item for path in _progress(plan.files, "reading source files", quiet)
-                   for item in _iter_file(path, plan.source_format))
+        files = _progress(plan.files, "reading source files", quiet)
+        tensors = (item for path in files for item in _iter_file(path, plan.source_format))
     seen, tied = set(), plan.config.tie_word_embeddings
-    for name, tensor in tensors:
-        name = _canonical_name(name)
-        if name is None or (name == "lm_head.weight" and tied):
-            continue
-        if name not in plan.expected:
-            raise ConversionError(f"unexpected tensor {name!r} in the source: not part of a Llama with this config.")
-        if tuple(tensor.shape) != plan.expected[name]:
-            raise ConversionError(
-                f"tensor {name!r} has shape {tuple(tensor.shape)}, the config implies {plan.expected[name]}."
-            )
-        if name in seen:
-            raise ConversionError(f"tensor {name!r} appears twice in the source.")
-        if not tensor.is_floating_point():
-            raise ConversionError(f"tensor {name!r} is stored as {str(tensor.dtype).removeprefix('torch.')}; a "
-                                  "Llama's weights are floating point (a quantized checkpoint?): convert the "
-                                  "unquantized model.")
-        seen.add(name)
-        writer.add(name, tensor.to(plan.dtype))
+    try:
+        for name, tensor in tensors:
+            name = _canonical_name(name)
+            if name is None or (name == "lm_head.weight" and tied):
+                continue
+            if name not in plan.expected:
+                raise ConversionError(f"unexpected tensor {name!r} in the source: not part of a Llama with this "
+                                      "config.")
+            if tuple(tensor.shape) != plan.expected[name]:
+                raise ConversionError(
+                    f"tensor {name!r} has shape {tuple(tensor.shape)}, the config implies {plan.expected[name]}."
+                )
+            if name in seen:
+                raise ConversionError(f"tensor {name!r} appears twice in the source.")
+            if not tensor.is_floating_point():
+                raise ConversionError(f"tensor {name!r} is stored as {str(tensor.dtype).removeprefix('torch.')}; a "
+                                      "Llama's weights are floating point (a quantized checkpoint?): convert the "
+                                      "unquantized model.")
+            seen.add(name)
+            writer.add(name, tensor.to(plan.dtype))
+    finally:
+        if files is not None:  # now, also on an error: else the bar ends after its message, on the same line
+            files.close()
     lazy_names = plan.lazy_names
     missing = [n for n in plan.expected if n not in seen and n not in lazy_names]
     if missing:

@@ -248,7 +248,7 @@ class LazyAttentionImpl(AttentionImpl[LazyServingMetadata]):
         unsupported = {
             "a quantized KV cache (kv_cache_dtype)": kv_cache_dtype != "auto",
             "ALiBi": alibi_slopes is not None,
-            "a sliding window": sliding_window is not None,
+            "a sliding window (`sliding_window` or sliding `layer_types` in config.json)": sliding_window is not None,
             "logit soft-capping": logits_soft_cap not in (None, 0),
             f"attention type {attn_type!r}": attn_type != AttentionType.DECODER,
             "KV-cache sharing between layers": kv_sharing_target_layer_name is not None,
@@ -257,7 +257,8 @@ class LazyAttentionImpl(AttentionImpl[LazyServingMetadata]):
         if refused:
             raise ValueError(
                 f"LazyLlama on vLLM does not support {', '.join(refused)}: Lazy Attention here is full causal "
-                "decoder attention over a K/V cache in the model dtype. Remove those options."
+                "decoder attention over a K/V cache in the model dtype. Remove those options (engine arguments or "
+                "config.json fields)."
             )
         self.num_heads = num_heads
         self.head_size = head_size

@@ -414,7 +414,8 @@ def test_refuses_missing_and_corrupt_weights(tmp_path, capsys):
     # a truncated shard
     (tmp_path / "moved").rename(shards[1])
     shards[-1].write_bytes(shards[-1].read_bytes()[:1000])
-    _refused(tmp_path, capsys, source, f"cannot read {shards[-1].name}")
+    err = _refused(tmp_path, capsys, source, f"cannot read {shards[-1].name}")
+    assert err.splitlines()[-1].startswith("lazy-convert: error: cannot read"), err  # not after the progress bar
     # a complete but wrong file: a tensor is missing
     single = tiny_llama(tmp_path / "single", num_key_value_heads=2)
     state = LlamaForCausalLM.from_pretrained(single).state_dict()
