@@ -134,9 +134,14 @@ def check_llama_config(config: dict) -> None:
             f"unsupported RoPE type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}."
         )
     theta = rope.get("rope_theta", config.get("rope_theta"))
-    number = isinstance(theta, (int, float)) and not isinstance(theta, bool)
-    if theta is not None and not (number and math.isfinite(theta) and theta > 0):
+    if theta is not None and not _positive_number(theta):
         raise ConversionError(f"invalid configuration: rope_theta must be a positive number, got {theta!r}.")
+    if "factor" in rope and not _positive_number(rope["factor"]):  # transformers only warns
+        raise ConversionError(f"invalid configuration: the RoPE scaling factor must be a positive number, got "
+                              f"{rope['factor']!r}.")
+    named = config.get("dtype", config.get("torch_dtype"))
+    if named is not None and not isinstance(named, str):  # transformers ignores it: `--dtype auto` would not
+        raise ConversionError(f"invalid configuration: dtype must be a name such as \"bfloat16\", got {named!r}.")
     quant = config.get("quantization_config")
     _check_object(quant, "quantization_config")
     if quant and quant.get("quant_method") != "gguf":  # a folder rebuilt from GGUF holds plain weights
@@ -144,6 +149,10 @@ def check_llama_config(config: dict) -> None:
             f"unsupported: quantized checkpoint (quant_method {quant.get('quant_method')!r}); "
             "convert the unquantized weights."
         )
+
+
+def _positive_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
 
 
 def _check_object(value, name: str) -> None:

@@ -283,12 +283,15 @@ def test_refuses_other_architectures_and_features(tmp_path, capsys):
         ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4}},
          "invalid configuration: Missing required keys in `rope_parameters` for 'rope_type'='yarn': {'factor'}"),
         ({"rope_parameters": {"rope_type": "linear", "rope_theta": 1e4, "factor": "x"}},
-         "invalid configuration: the model cannot be built from it (TypeError"),
+         "invalid configuration: the RoPE scaling factor must be a positive number, got 'x'"),
         ({"pad_token_id": 10**6}, "invalid configuration: the model cannot be built from it (AssertionError"),
         # refused from the weights' names, before a model of that many layers is built (that took minutes)
         ({"num_hidden_layers": 3_200_000}, "num_hidden_layers = 3200000, but the weights hold layers 0-1 (2 layers)"),
         ({"num_hidden_layers": 10**30}, "but the weights hold layers 0-1"),
         ({"num_hidden_layers": 1}, "num_hidden_layers = 1, but the weights hold layers 0-1 (2 layers)"),
+        ({"rope_parameters": {"rope_type": "linear", "rope_theta": 1e4, "factor": -2.0}},
+         "the RoPE scaling factor must be a positive number, got -2.0"),
+        ({"dtype": 3}, 'dtype must be a name such as "bfloat16", got 3'),
     ):
         (source / "config.json").write_text(json.dumps({**config, **patch}))
         err = _refused(tmp_path, capsys, source, message)
