@@ -422,9 +422,12 @@ class LazyLlamaPreTrainedModel(PreTrainedModel):
             state_dict = self.state_dict()  # e.g. after model.double(): tau and distance_bias are saved float32 anyway
         if state_dict is not None:
             kwargs["state_dict"] = {n: t.float() if is_lazy_parameter(n) else t for n, t in state_dict.items()}
-        target = os.path.abspath(os.fspath(save_directory))
-        if not is_main_process or os.path.isfile(target):  # other ranks write nothing; a file: transformers says so
-            return super().save_pretrained(save_directory, *args, is_main_process=is_main_process, **kwargs)
+        target = os.path.realpath(os.fspath(save_directory))  # a link to a folder: into that folder
+        distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+        writes = is_main_process and (not distributed or torch.distributed.get_rank() == 0)  # transformers' rule
+        if not writes or os.path.isfile(target):  # other ranks only join the gathering; a file: transformers says so
+            return super().save_pretrained(save_directory, *args, is_main_process=is_main_process,
+                                           push_to_hub=push_to_hub, **kwargs)
         hub = {name: kwargs.pop(name) for name in ("repo_id", "commit_message", "create_pr", "private")
                if name in kwargs}
         os.makedirs(os.path.dirname(target), exist_ok=True)

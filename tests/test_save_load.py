@@ -190,3 +190,15 @@ def test_a_save_killed_earlier_is_cleaned_up(tmp_path):
     tiny_model(seed=0).save_pretrained(tmp_path / "model")
     assert not dead.exists() and alive.exists()
     assert LazyLlamaForCausalLM.from_pretrained(tmp_path / "model") is not None
+
+
+def test_saving_through_a_link_to_a_folder_writes_into_that_folder(tmp_path):
+    (tmp_path / "real").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "real", target_is_directory=True)
+    for seed in (1, 2):
+        model = tiny_model(seed=seed)
+        model.save_pretrained(tmp_path / "link")
+    assert (tmp_path / "link").is_symlink() and (tmp_path / "real" / "config.json").is_file()
+    loaded = LazyLlamaForCausalLM.from_pretrained(tmp_path / "link")
+    assert all(torch.equal(t, loaded.state_dict()[n]) for n, t in model.state_dict().items())
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link", "real"]
