@@ -705,7 +705,12 @@ def test_existing_output_needs_overwrite_and_only_a_model_folder_is_replaced(tmp
         print("still running", file=sys.stderr)
 
     monkeypatch.setattr(cv, "make_shareable", shareable_then_swallowed_interrupt)
-    assert cv.main([str(source), str(tmp_path / "fresh")]) == 130
+    # Ctrl-C as a terminal delivers it (a pytest started in the background by a shell has SIGINT ignored)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        assert cv.main([str(source), str(tmp_path / "fresh")]) == 130
+    finally:
+        signal.signal(signal.SIGINT, previous)
     err = capsys.readouterr().err
     assert "still running" in err and "OUT was left as it was" in err and no_leftovers(tmp_path, "fresh")
     # a failing verification publishes nothing either
