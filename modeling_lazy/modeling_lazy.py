@@ -305,43 +305,49 @@ def code_files() -> list[str]:
     return files
 
 
-_SAVED_WEIGHTS = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors|model\.safetensors\.index\.json")
+def _saved_weights(variant: str | None) -> re.Pattern:
+    """The names of the weight files and index a save of `variant` writes (as transformers names them)."""
+    tag = re.escape(f".{variant}" if variant else "")
+    return re.compile(rf"model{tag}(-\d{{5}}-of-\d{{5}})?\.safetensors|model\.safetensors\.index{tag}\.json")
 
 
 def _staging_folder(target: str) -> str:
-    """A new hidden folder `.NAME.saving-PID-XXXXXXXX` beside `target` (same file system: renames are moves), after
-    removing those of saves whose process is gone (killed before it could clean up)."""
-    parent, name = os.path.split(target)
-    for left in glob.glob(os.path.join(parent, glob.escape(f".{name}.saving-") + "*")):
-        pid = os.path.basename(left)[len(name) + 9:].split("-")[0]
+    """A new hidden folder for a save to `target`, on the target's file system so that renames are moves: inside
+    `target` when it exists (`.saving-PID-XXXXXXXX`: the folder may be a mount point, or its parent read-only),
+    else beside it (`.NAME.saving-PID-XXXXXXXX`). Those of saves whose process is gone (killed before it could
+    clean up) are removed first."""
+    parent, name = (target, "") if os.path.isdir(target) else os.path.split(target)
+    prefix = f".{name}.saving-" if name else ".saving-"
+    for left in glob.glob(os.path.join(parent, glob.escape(prefix) + "*")):
+        pid = os.path.basename(left)[len(prefix):].split("-")[0]
         try:
             os.kill(int(pid), 0)
         except ProcessLookupError:
             shutil.rmtree(left, ignore_errors=True)
         except (ValueError, OSError):
             pass  # not ours, or alive under another user: leave it
-    path = os.path.join(parent, f".{name}.saving-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    path = os.path.join(parent, f"{prefix}{os.getpid()}-{uuid.uuid4().hex[:8]}")
     os.mkdir(path)  # the umask's permissions, as `os.makedirs` would give the target
     return path
 
 
-def _move_into(staging: str, target: str) -> None:
+def _move_into(staging: str, target: str, weights: re.Pattern) -> None:
     """Put the complete `staging` folder's files at `target`.
 
-    An absent or empty `target` is replaced by `staging` in one rename. Otherwise `target` may hold other things
-    (a Trainer's checkpoints, a tokenizer), so each file is renamed over its old version: weights and their index
-    first, `config.json` last (what a loader reads first), after removing the weight files of an earlier save that
-    this one does not write (a stale `model.safetensors` would shadow new shards, as stale shards an index)."""
-    try:
-        os.rename(staging, target)
-        return
-    except OSError as error:
-        if error.errno not in (errno.EEXIST, errno.ENOTEMPTY):
-            raise
-    names = sorted(os.listdir(staging),
-                   key=lambda name: (name == "config.json", _SAVED_WEIGHTS.fullmatch(name) is None))
+    A new `target` is `staging`, renamed. An existing one may hold other things (a Trainer's checkpoints, a
+    tokenizer) and is kept (its permissions, a mount), so each file is renamed over its old version: weights and
+    their index first, `config.json` last (what a loader reads first), after removing the `weights` files of an
+    earlier save that this one does not write (a stale `model.safetensors` would shadow new shards)."""
+    if not os.path.isdir(target):
+        try:
+            os.rename(staging, target)
+            return
+        except OSError as error:  # another save created it meanwhile: join it file by file
+            if error.errno not in (errno.EEXIST, errno.ENOTEMPTY):
+                raise
+    names = sorted(os.listdir(staging), key=lambda name: (name == "config.json", weights.fullmatch(name) is None))
     for old in os.listdir(target):
-        if _SAVED_WEIGHTS.fullmatch(old) and old not in names:
+        if weights.fullmatch(old) and old not in names:
             os.remove(os.path.join(target, old))
     for name in names:
         destination = os.path.join(target, name)
@@ -409,10 +415,10 @@ class LazyLlamaPreTrainedModel(PreTrainedModel):
         interrupted save loses nothing.
 
         The result loads with `AutoModelForCausalLM.from_pretrained(dir, trust_remote_code=True)` in a Python
-        where this project is not installed. Everything is written into a hidden folder beside `save_directory`
-        first and moved into place when complete (`_move_into`): a new (or empty) folder appears whole, in one
-        rename; into a folder that already holds files, each file is renamed over its old version, weights first
-        and `config.json` last. `push_to_hub` saves through here, so it uploads the code too; so does
+        where this project is not installed. Everything is written into a hidden folder first (beside a new
+        `save_directory`, inside an existing one) and moved into place when complete (`_move_into`): a new folder
+        appears whole, in one rename; into an existing folder each file is renamed over its old version, weights
+        first and `config.json` last. `push_to_hub` saves through here, so it uploads the code too; so does
         `save_pretrained(..., push_to_hub=True)`, which uploads the complete folder once it is in place.
         """
         self.config.auto_map = dict(AUTO_MAP)
@@ -436,7 +442,7 @@ class LazyLlamaPreTrainedModel(PreTrainedModel):
             result = super().save_pretrained(staging, *args, **kwargs)
             for path in code_files():
                 shutil.copyfile(path, os.path.join(staging, os.path.basename(path)))
-            _move_into(staging, target)
+            _move_into(staging, target, _saved_weights(kwargs.get("variant")))
         finally:
             shutil.rmtree(staging, ignore_errors=True)
         if push_to_hub:

@@ -202,3 +202,42 @@ def test_saving_through_a_link_to_a_folder_writes_into_that_folder(tmp_path):
     loaded = LazyLlamaForCausalLM.from_pretrained(tmp_path / "link")
     assert all(torch.equal(t, loaded.state_dict()[n]) for n, t in model.state_dict().items())
     assert sorted(p.name for p in tmp_path.iterdir()) == ["link", "real"]
+
+
+def test_an_existing_folder_is_kept_and_written_from_inside(tmp_path, monkeypatch):
+    """An existing target may be a mount point or sit in a read-only parent, and has its own permissions: it is
+    never renamed over, and the hidden folder is made inside it (on its file system), not beside it."""
+    import shutil
+
+    folder = tmp_path / "volume"
+    folder.mkdir(mode=0o750)
+    folder.chmod(0o750)
+    dead = folder / ".saving-999999999-0badcafe"  # a save killed earlier, inside the folder (no such pid)
+    dead.mkdir()
+    renamed = []
+    rename = os.rename
+    monkeypatch.setattr(os, "rename", lambda a, b: (renamed.append(os.fspath(b)), rename(a, b))[1])
+    copy = shutil.copyfile
+    staged = []
+    monkeypatch.setattr(shutil, "copyfile", lambda a, b: (staged.append(os.path.dirname(b)), copy(a, b))[1])
+    model = tiny_model(seed=4)
+    model.save_pretrained(folder)
+    assert str(folder) not in renamed
+    assert staged and all(os.path.dirname(path) == str(folder) for path in staged), staged
+    assert (folder.stat().st_mode & 0o777) == 0o750
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["volume"] and not list(folder.glob(".saving-*"))
+    loaded = LazyLlamaForCausalLM.from_pretrained(folder)
+    assert all(torch.equal(t, loaded.state_dict()[n]) for n, t in model.state_dict().items())
+
+
+def test_a_variant_save_removes_that_variant_s_stale_shards_only(tmp_path):
+    folder = tmp_path / "model"
+    tiny_model(seed=1).save_pretrained(folder)  # the default variant: kept
+    tiny_model(seed=2).save_pretrained(folder, variant="v1", max_shard_size="20KB")
+    assert list(folder.glob("model.v1-*-of-*.safetensors")) and (folder / "model.safetensors.index.v1.json").exists()
+    model = tiny_model(seed=3)
+    model.save_pretrained(folder, variant="v1")
+    weights = sorted(p.name for p in folder.glob("model[.-]*"))
+    assert weights == ["model.safetensors", "model.v1.safetensors"], weights
+    loaded = LazyLlamaForCausalLM.from_pretrained(folder, variant="v1")
+    assert all(torch.equal(t, loaded.state_dict()[n]) for n, t in model.state_dict().items())
