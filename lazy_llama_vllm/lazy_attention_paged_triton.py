@@ -116,7 +116,8 @@ def lazy_attention_triton_paged_decode(query, kv_cache, block_table, seq_lens, t
         seq_lens: `[R]` keys per request (the new token's included); keys beyond them are never read.
         tau: `[Hq]` float32; distance_bias: `[Hq, W]` float32; scaling: score scale.
         max_seq_len: an upper bound of seq_lens (int; sizes the float32 score scratch, `R x Hq x max_seq_len`);
-            default `max_blocks x block_size`.
+            default `max_blocks x block_size`. A request whose length exceeds it reads only its first
+            `max_seq_len` keys (the scratch is never overrun; its output is then not that request's attention).
     Returns:
         `[R, Hq, D]` in the query dtype.
     """

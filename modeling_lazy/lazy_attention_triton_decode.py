@@ -133,7 +133,7 @@ def _lazy_decode_lse_kernel(Q, K, BAND, KLEN, KSTART, BLOCK_TABLE, QPOS, QSEG, K
     distance QPOS[b, t] - KPOS[b, j] (`stride_sb`: the batch stride of KSEG and KPOS; one loop, the band gathered).
     Grid: (splits, B * Hkv, cdiv(GROUPS * Tq, BM))."""
     scale_log2 = tl.cast(scale_log2, tl.float32)  # Inductor passes Python floats as float64
-    k_len = tl.load(KLEN + tl.program_id(1) // Hkv)
+    k_len = tl.minimum(tl.load(KLEN + tl.program_id(1) // Hkv), KEY_CAPACITY)  # never past the score scratch
     k_start = tl.load(KSTART + tl.program_id(1) // Hkv) if KEY_START else 0
     split, b, h, t, row_id, row_mask, q_key_idx, lo, hi, kv_base = _decode_rows(
         k_len, k_start, stride_kb, stride_kh, Hkv, Tq, GROUPS, KEYS_PER_SPLIT, BLOCK_M, BLOCK_N, PAGE_SIZE)
@@ -178,7 +178,7 @@ def _lazy_decode_out_kernel(V, TAU, QPOS, KLEN, KSTART, BLOCK_TABLE, QSEG, KSEG,
     with one split the output itself, in its dtype). `STORE_LSE`: the first split also stores LSE [B, Hq, Tq] in
     natural units (a backward's; inference skips it). `KEY_MASK`: any layout, as in pass 1 (weights of keys a row
     does not see are 0; a key no row of the tile sees is not read)."""
-    k_len = tl.load(KLEN + tl.program_id(1) // Hkv)
+    k_len = tl.minimum(tl.load(KLEN + tl.program_id(1) // Hkv), KEY_CAPACITY)
     k_start = tl.load(KSTART + tl.program_id(1) // Hkv) if KEY_START else 0
     split, b, h, t, row_id, row_mask, q_key_idx, lo, hi, kv_base = _decode_rows(
         k_len, k_start, stride_vb, stride_vh, Hkv, Tq, GROUPS, KEYS_PER_SPLIT, BLOCK_M, BLOCK_N, PAGE_SIZE)
@@ -234,7 +234,8 @@ def _packed_decode(query, key, value, tau, distance_bias, q_pos, key_lengths, sc
     (n = q_pos + 1); key_lengths `[B]` int32: query row t of batch row b stands at key index
     `key_lengths[b] - Tq + t`; key_starts `[B]` int32 or None: batch row b's first visible key (left padding; the
     positions count from there). `key_capacity` bounds the key lengths (default: the key buffer's length, paged:
-    max blocks x page size); the float32 score scratch holds `B x Hq x Tq x key_capacity`. `num_splits`: None,
+    max blocks x page size; a longer key length counts as `key_capacity`, so the float32 score scratch,
+    `B x Hq x Tq x key_capacity`, is never overrun). `num_splits`: None,
     automatic. `need_lse=False` (inference) skips the log-sum-exp. `key_mask`: None, or `(q_seg [B, Tq], k_seg
     [B, >= key length], k_pos [B, >= key length])` int32 of a `LazyMetadata` (contiguous rows): any layout, query row
     t of batch row b seeing key j when their segments match and j is not after it, at the distance of their

@@ -993,6 +993,31 @@ def paged_decode_matches_contiguous_and_reference(kernels):
     return errors
 
 
+def paged_decode_bound_below_a_length(kernels):
+    """A `max_seq_len` below a request's length (a caller's error the launcher cannot see without a host sync): that
+    request reads only its first `max_seq_len` keys, never past the score scratch, and the other requests are exact.
+    The long request comes first, so a scratch overrun would land in the rows after it."""
+    import lazy_llama_vllm.lazy_attention_paged_triton as paged
+
+    seed = fresh_seed()
+    heads, kv_heads, dim, page, bound = 4, 2, 64, 16, 40  # the bound is no multiple of the key tile
+    lengths = [70, 16, 37, 5]
+    query, key, value, tau, bias, _ = make_inputs(len(lengths), heads, kv_heads, 1, max(lengths), dim, 20,
+                                                  torch.float32, TAU_MIXED[:2] * (heads // 2), seed=seed)
+    cache, table = paged_cache(key, value, lengths, page, max(triton_cdiv(n, page) for n in lengths) + 1, seed)
+    scaling = dim ** -0.5
+    out = paged.lazy_attention_triton_paged_decode(query[:, :, 0], cache, table, torch.tensor(lengths), tau, bias,
+                                                   scaling, max_seq_len=bound)
+    assert torch.isfinite(out).all(), seed
+    # the first `bound` keys, the query standing after them at its own position (n = 70)
+    read = [min(n, bound) for n in lengths]
+    expected = decode_reference(query, key, value, tau, bias, read, [n - r for n, r in zip(lengths, read)], scaling)
+    errors = {"seed": seed, "long request": relative_error(out[:1], expected[:1, 0]),
+              "other requests": relative_error(out[1:], expected[1:, 0])}
+    assert max(errors["long request"], errors["other requests"]) < TOLERANCE[torch.float32], errors
+    return errors
+
+
 def triton_cdiv(a, b):
     return -(-a // b)
 
@@ -1456,6 +1481,7 @@ CASES = {
     "packed-decode-left-padding": packed_decode_left_padding,
     "packed-decode-any-layout": packed_decode_any_layout,
     "paged-decode": paged_decode_matches_contiguous_and_reference,
+    "paged-decode-bound-below-a-length": paged_decode_bound_below_a_length,
     "paged-prefill-mixed-batch": paged_prefill_mixed_batch,
     "refuses-what-it-cannot-run": refuses_what_it_cannot_run,
     "launcher-device-ops": launcher_device_ops,
