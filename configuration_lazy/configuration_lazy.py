@@ -69,6 +69,16 @@ class LazyLlamaConfig(LlamaConfig):
         super().__post_init__(**kwargs)
 
     @classmethod
+    def get_config_dict(cls, pretrained_model_name_or_path, **kwargs):
+        """`PreTrainedConfig.get_config_dict`, with a vanilla Llama's `model_type` read as this class's: loading a
+        Llama config.json is supported, so transformers' warning about a model of another type is not given
+        (it still is for any other type)."""
+        config_dict, kwargs = super().get_config_dict(pretrained_model_name_or_path, **kwargs)
+        if config_dict.get("model_type") == "llama":
+            config_dict = {**config_dict, "model_type": cls.model_type}
+        return config_dict, kwargs
+
+    @classmethod
     def from_dict(cls, config_dict, **kwargs):
         """`PreTrainedConfig.from_dict` (what `from_pretrained` and `AutoConfig` call), checked again afterwards:
         it sets the keyword arguments (`from_pretrained(path, lazy_bias_window=0)`) after construction."""

@@ -6,7 +6,9 @@ import pytest
 import torch
 from conftest import randomize_lazy, tiny_config, tiny_model
 from reference64 import lazy_llama_logits64
-from transformers import AutoConfig, LlamaConfig, LlamaForCausalLM
+from transformers import AutoConfig, LlamaConfig, LlamaForCausalLM, MistralConfig
+from transformers.testing_utils import CaptureLogger
+from transformers.utils import logging
 
 from modeling_lazy import LazyLlamaConfig, LazyLlamaForCausalLM
 
@@ -19,11 +21,22 @@ def test_vanilla_llama_config_json_loads(tmp_path):
     llama = LlamaConfig(vocab_size=50, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
                         intermediate_size=64, num_hidden_layers=1, rope_theta=123.0)
     llama.save_pretrained(tmp_path)
-    config = LazyLlamaConfig.from_pretrained(tmp_path)
+    with CaptureLogger(logging.get_logger("transformers.configuration_utils")) as log:
+        config = LazyLlamaConfig.from_pretrained(tmp_path)
+    assert "model of type" not in log.out, log.out  # supported: no "may yield errors" warning
     assert config.model_type == "lazy_llama"
     assert config.num_key_value_heads == 2 and config.rope_parameters["rope_theta"] == 123.0
     assert (config.lazy_bias_window, config.lazy_tau_init, config.lazy_bias_init_std) == (1024, -1.0, 1e-3)
     assert json.loads((tmp_path / "config.json").read_text())["model_type"] == "llama"
+
+
+def test_other_model_type_config_still_warns(tmp_path):
+    """Only a Llama config.json is read as LazyLlama's own type; another architecture keeps transformers' warning."""
+    MistralConfig(vocab_size=50, hidden_size=32, num_attention_heads=4, num_key_value_heads=2, intermediate_size=64,
+                  num_hidden_layers=1).save_pretrained(tmp_path)
+    with CaptureLogger(logging.get_logger("transformers.configuration_utils")) as log:
+        LazyLlamaConfig.from_pretrained(tmp_path)
+    assert "model of type `mistral`" in log.out, log.out
 
 
 @pytest.mark.parametrize("bad, message", [
