@@ -5,7 +5,7 @@ Every ratio is measured in one process, interleaved (A B A B ...), after a warm-
 per-round ratios; the spread is the min-max of those ratios. Tables are printed as markdown.
 
     python -m benchmarks.cpu_benchmarks            # full sizes (tens of minutes on 2 cores)
-    python -m benchmarks.cpu_benchmarks --smoke    # tiny sizes, seconds (run in CI)
+    python -m benchmarks.cpu_benchmarks --smoke    # tiny sizes, a minute or two (run in CI)
     python -m benchmarks.cpu_benchmarks --only attention,memory
     python -m benchmarks.cpu_benchmarks --threads 1 --only decode,smollm2 --json benchmarks/results/decode.json
     python -m benchmarks.cpu_benchmarks --threads 1 --only share   # the attention calls' share of batched generate()
@@ -476,7 +476,7 @@ def bench_smollm2(size):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--smoke", action="store_true", help="tiny sizes (seconds), for CI")
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes (a minute or two), for CI")
     parser.add_argument("--only", default="attention,memory,model,workloads,decode,smollm2,share",
                         help="comma-separated subset")
     parser.add_argument("--no-train", action="store_true", help="skip the training-step rows of `model`")

@@ -12,6 +12,7 @@ Every `LlamaConfig` field keeps its meaning; three fields are added:
 This file imports nothing from this project, so it can travel with a checkpoint on its own.
 """
 
+import logging
 import math
 
 from huggingface_hub.dataclasses import strict
@@ -22,6 +23,16 @@ from transformers import LlamaConfig
 _POSITIVE_SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                    "max_position_embeddings", "num_key_value_heads", "head_dim")
 _DERIVED_IF_NONE = ("num_key_value_heads", "head_dim")
+
+
+class _LlamaIntoLazyLlama(logging.Filter):
+    """Drops transformers' warning that a config of type `llama` instantiates a `lazy_llama` one ("... not
+    supported and can yield errors"): a vanilla Llama config.json is meant to load into LazyLlamaConfig. The same
+    warning about any other model type passes."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(f"You are using a model of type `llama` to instantiate a model of type "
+                                              f"`{LazyLlamaConfig.model_type}`")
 
 
 def _is_positive_int(value) -> bool:
@@ -67,16 +78,6 @@ class LazyLlamaConfig(LlamaConfig):
         self.validate_lazy_fields()
         kwargs.pop("model_type", None)  # a vanilla Llama config.json says "llama": this class is "lazy_llama"
         super().__post_init__(**kwargs)
-
-    @classmethod
-    def get_config_dict(cls, pretrained_model_name_or_path, **kwargs):
-        """`PreTrainedConfig.get_config_dict`, with a vanilla Llama's `model_type` read as this class's: loading a
-        Llama config.json is supported, so transformers' warning about a model of another type is not given
-        (it still is for any other type)."""
-        config_dict, kwargs = super().get_config_dict(pretrained_model_name_or_path, **kwargs)
-        if config_dict.get("model_type") == "llama":
-            config_dict = {**config_dict, "model_type": cls.model_type}
-        return config_dict, kwargs
 
     @classmethod
     def from_dict(cls, config_dict, **kwargs):
@@ -140,5 +141,8 @@ def _setattr_with_value_errors(self, name, value):
 
 
 LazyLlamaConfig.__setattr__ = _setattr_with_value_errors
+_CONFIG_LOGGER = logging.getLogger("transformers.configuration_utils")
+if not any(type(f).__name__ == _LlamaIntoLazyLlama.__name__ for f in _CONFIG_LOGGER.filters):  # once per process
+    _CONFIG_LOGGER.addFilter(_LlamaIntoLazyLlama())
 
 __all__ = ["LazyLlamaConfig"]

@@ -615,7 +615,7 @@ def _check_existing_output(output: Path, overwrite: bool) -> None:
     if not looks_like_model_folder(output):
         shown = listed(sorted(path.name for path in output.iterdir()))
         raise ConversionError(
-            f"refusing to --overwrite {output}: it does not look like a model folder (no {CONFIG_FILE} with "
+            f"refusing to replace {output}: it does not look like a model folder (no {CONFIG_FILE} with "
             f"weights beside it) and holds {shown}. Move those files away or choose another OUT."
         )
 

@@ -20,6 +20,7 @@ from lazy_llama_tools.loading import (
     check_same_vocabulary,
     load_causal_lm,
     load_tokenizer,
+    one_line,
     read_token_ids,
 )
 from lazy_llama_tools.metrics import perplexity
@@ -65,7 +66,7 @@ def run(args) -> int:
         if args.json:
             write_text_whole(Path(args.json), json.dumps({"text_file": args.text, "results": results}, indent=1) + "\n")
     except (ValueError, OSError) as error:  # NotALazyLlama, ModelNotFound and UnusableModel are ValueErrors
-        raise SystemExit(f"lazy-evaluate: error: {error}") from None
+        raise SystemExit(f"lazy-evaluate: error: {one_line(error, 1000)}") from None
     for result in results:
         print(f"{result['model']}: perplexity {result['perplexity']:.4f} (mean NLL {result['nll']:.4f} nats over "
               f"{result['tokens']} tokens of {args.text}; context {result['context']}, stride {result['stride']})")

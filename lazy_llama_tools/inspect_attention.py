@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from lazy_llama_tools.cli import TAU_ZERO, inspect_parser
-from lazy_llama_tools.loading import check_same_vocabulary, load_causal_lm, load_tokenizer, read_token_ids
+from lazy_llama_tools.loading import check_same_vocabulary, load_causal_lm, load_tokenizer, one_line, read_token_ids
 from lazy_llama_tools.metrics import TILE, attention_statistics, attention_weights
 from modeling_lazy import lazy_attention_modules
 
@@ -413,7 +413,7 @@ def run(args) -> int:
             repeated_length=args.repeated_length, log=log,
         )
     except (ValueError, OSError) as error:  # NotALazyLlama, ModelNotFound and UnusableModel are ValueErrors
-        raise SystemExit(f"lazy-inspect: error: {error}") from None
+        raise SystemExit(f"lazy-inspect: error: {one_line(error, 1000)}") from None
     print(summary(report, args.out))
     return 0
 

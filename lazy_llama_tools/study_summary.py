@@ -64,7 +64,7 @@ def t_quantile(p: float, df: int) -> float:
 def t_interval(values: list[float], confidence: float = CONFIDENCE) -> list[float] | None:
     """`[low, high]` of the mean of `values` (independent draws, e.g. one per seed), t with n-1 degrees of freedom;
     None for fewer than two values."""
-    if len(values) < 2:
+    if len(values) < 2 or not all(math.isfinite(value) for value in values):
         return None
     half = t_quantile(0.5 + confidence / 2, len(values) - 1) * statistics.stdev(values) / math.sqrt(len(values))
     mean = statistics.fmean(values)
@@ -164,8 +164,10 @@ def load_grid(folder: Path) -> dict:
 def mean_std(values: list[float], eval_ci95: list[float] | None = None) -> dict:
     """Mean, sample std and the 95% t interval over seeds (`ci95`); `eval_ci95`: the evaluation interval of a
     single seed (bootstrap over documents), kept apart because it measures something else."""
-    out = {"mean": statistics.fmean(values), "std": statistics.stdev(values) if len(values) > 1 else None,
-           "n": len(values), "values": values, "ci95": t_interval(values)}
+    finite = all(math.isfinite(value) for value in values)  # a NaN figure (nothing to average) stays NaN
+    std = (statistics.stdev(values) if finite else math.nan) if len(values) > 1 else None
+    out = {"mean": statistics.fmean(values), "std": std, "n": len(values), "values": values,
+           "ci95": t_interval(values)}
     if eval_ci95 is not None and len(values) == 1:
         out["eval_ci95"] = eval_ci95
     return out

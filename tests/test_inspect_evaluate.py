@@ -8,6 +8,7 @@ plain loops; perplexity from the logits.
 import json
 import math
 import random
+import shutil
 from pathlib import Path
 
 import pytest
@@ -471,7 +472,14 @@ def test_bad_arguments_and_missing_models_are_refused_in_one_line(tiny, tmp_path
 
     lazy, text = str(tiny["lazy"]), str(tiny["text"])
     (tmp_path / "empty.txt").write_text("")
+    untokenized = tmp_path / "no-tokenizer"  # the model alone, as model.save_pretrained() writes it
+    untokenized.mkdir()
+    for path in Path(lazy).iterdir():
+        if path.name == "config.json" or path.suffix in (".safetensors", ".py"):
+            shutil.copy(path, untokenized / path.name)
     for tool, argv, message in [
+        (evaluate, [str(untokenized), "--text", text], "No tokenizer could be loaded from"),
+        (inspect_attention, [str(untokenized), "--text", text], "No tokenizer could be loaded from"),
         (evaluate, [lazy, "--text", str(tmp_path / "empty.txt")], "is empty"),
         (evaluate, [lazy, "--text", text, "--max-tokens", "0"], "argument --max-tokens: must be at least 1, got 0"),
         (evaluate, [lazy, "--text", text, "--context", "1"], "argument --context: must be at least 2, got 1"),

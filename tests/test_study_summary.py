@@ -49,6 +49,19 @@ def test_summary_means_stds_and_paired_shares(tmp_path):
     assert "| control | 0,1 |" in (tmp_path / "summary.md").read_text()
 
 
+def test_a_nan_figure_stays_nan_in_the_summary(tmp_path):
+    """A figure with nothing to average is NaN in a run's results (e.g. the sink share of a cell whose rows all sum
+    to 0); pooling it over seeds gives NaN without an interval, and the summary is written, not a traceback."""
+    for seed in (0, 1):
+        write_run(tmp_path, "vanilla", seed, 10.0 + seed, sparsity=float("nan"))
+        write_run(tmp_path, "lazy", seed, 8.0 + seed, sparsity=0.7)
+    summary = study_summary.main([str(tmp_path)])
+    sparsity = summary["vanilla"]["figures"]["sparsity"]
+    assert math.isnan(sparsity["mean"]) and math.isnan(sparsity["std"]) and sparsity["ci95"] is None
+    assert summary["lazy"]["figures"]["sparsity"]["mean"] == pytest.approx(0.7)
+    assert "nan" in (tmp_path / "summary.md").read_text()
+
+
 def test_bias_tail_counts_entries_beyond_the_threshold(tmp_path):
     bias = [[[0.0] * 10 + [0.06, -0.2, 0.01]]]  # one layer, one head, 13 distances
     path = tmp_path / "results.json"
