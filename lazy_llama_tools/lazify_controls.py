@@ -34,9 +34,11 @@ from pathlib import Path
 
 import torch
 
-from lazy_llama_tools.cli import one_line_errors
+from lazy_llama_tools.cli import at_least, finite_float, one_line_errors, positive_int
 from lazy_llama_tools.data import brown_documents, pack_token_blocks, smollm2_llama_dir
 from lazy_llama_tools.finetune import load_model
+from lazy_llama_tools.folders import write_text_whole
+from lazy_llama_tools.loading import one_line
 from lazy_llama_tools.metrics import (
     attention_statistics,
     perplexity,
@@ -229,8 +231,12 @@ def pareto_plot(results: dict, path: Path) -> None:
 
 
 def write_summary(out: Path) -> str:
-    results = json.loads((out / "results.json").read_text())
-    text = summary_markdown(results)
+    results = read_results(out / "results.json")
+    try:
+        text = summary_markdown(results)
+    except (KeyError, TypeError, ValueError) as error:
+        raise SystemExit(f"lazify_controls: error: {out / 'results.json'} is not this study's results "
+                         f"({one_line(error, 200)})") from None
     (out / "summary.md").write_text(text)
     pareto_plot(results, out / "pareto.png")
     return text
@@ -241,21 +247,38 @@ def parse_args(argv=None):
                                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter))
     parser.add_argument("--out", type=Path, default=Path("runs/lazify"))
     parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=ARMS)
-    parser.add_argument("--tau-sweep", type=float, nargs="*", default=[0.0, -0.05, -0.1, -0.025])
-    parser.add_argument("--steps", type=int, default=24)
-    parser.add_argument("--batch-size", type=int, default=2)
-    parser.add_argument("--block-size", type=int, default=256)
-    parser.add_argument("--lazy-lr", type=float, default=2e-2, help="tau / distance_bias (the demo: 1e-3 x 20)")
-    parser.add_argument("--norm-lr", type=float, default=1e-3, help="RMSNorm weights of vanilla_norms")
-    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--tau-sweep", type=finite_float, nargs="*", default=[0.0, -0.05, -0.1, -0.025])
+    parser.add_argument("--steps", type=positive_int, default=24)
+    parser.add_argument("--batch-size", type=positive_int, default=2)
+    parser.add_argument("--block-size", type=positive_int, default=256)
+    parser.add_argument("--lazy-lr", type=at_least(0.0, float), default=2e-2,
+                        help="tau / distance_bias (the demo: 1e-3 x 20)")
+    parser.add_argument("--norm-lr", type=at_least(0.0, float), default=1e-3,
+                        help="RMSNorm weights of vanilla_norms")
+    parser.add_argument("--warmup", type=at_least(0), default=5)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--eval-tokens", type=int, default=420, help="first N tokens of each Brown-test document")
-    parser.add_argument("--eval-context", type=int, default=512)
-    parser.add_argument("--stats-docs", type=int, default=4)
-    parser.add_argument("--stats-tokens", type=int, default=256)
-    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--eval-tokens", type=positive_int, default=420,
+                        help="first N tokens of each Brown-test document")
+    parser.add_argument("--eval-context", type=positive_int, default=512)
+    parser.add_argument("--stats-docs", type=positive_int, default=4)
+    parser.add_argument("--stats-tokens", type=positive_int, default=256)
+    parser.add_argument("--threads", type=positive_int, default=1)
     parser.add_argument("--summary-only", action="store_true", help="rewrite summary.md / pareto.png and exit")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.out.exists() and not args.out.is_dir():
+        parser.error(f"--out {args.out} is a file: give a folder (it is created if missing)")
+    return args
+
+
+def read_results(path: Path) -> dict:
+    """An earlier run's results.json, or one line saying why it cannot be used."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as error:
+        raise SystemExit(f"lazify_controls: error: {path} cannot be read ({one_line(error, 200)})") from None
+    if not isinstance(data, dict):
+        raise SystemExit(f"lazify_controls: error: {path} holds a JSON {type(data).__name__}, not a run's results")
+    return data
 
 
 def main(argv=None) -> dict:
@@ -263,12 +286,12 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     if args.summary_only:
         print(write_summary(args.out))
-        return json.loads((args.out / "results.json").read_text())
+        return read_results(args.out / "results.json")
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     args.out.mkdir(parents=True, exist_ok=True)
     saved = args.out / "results.json"
-    results = json.loads(saved.read_text()) if saved.is_file() else {}
+    results = read_results(saved) if saved.is_file() else {}
     previous = results.get("commands") or ([results["command"]] if "command" in results else [])
     for entry in [*results.get("tau_sweep", {}).values(), *results.get("arms", {}).values()]:
         entry.setdefault("code", results["code"])  # entries written before the code was kept per entry
@@ -288,7 +311,7 @@ def main(argv=None) -> dict:
             log_file.flush()
 
         def save():
-            saved.write_text(json.dumps(results, indent=1))
+            write_text_whole(saved, json.dumps(results, indent=1))
 
         model, tokenizer = load_model(str(smollm2_llama_dir()), tau_init=0.0, bias_init_std=0.0)
         model.eval()

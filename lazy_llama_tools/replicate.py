@@ -44,6 +44,7 @@ from transformers.modeling_utils import AttentionInterface
 
 from lazy_llama_tools.cli import at_least, finite_float, one_line_errors, positive_int
 from lazy_llama_tools.data import brown_documents, pack_token_blocks
+from lazy_llama_tools.folders import write_text_whole
 from lazy_llama_tools.metrics import (
     attention_statistics,
     attention_weights,
@@ -560,7 +561,7 @@ def parse_args(argv=None):
     parser.add_argument("--steps-factor", type=positive_int, default=1,
                         help="multiply --steps (for a grid's longer cells)")
     parser.add_argument("--batch-size", type=positive_int, default=16, help="blocks per step")
-    parser.add_argument("--context", type=positive_int, default=128,
+    parser.add_argument("--context", type=at_least(2), default=128,
                         help="training length T (bytes); eval at T, 2T, 4T")
     parser.add_argument("--hidden-size", type=positive_int, default=128)
     parser.add_argument("--intermediate-size", type=positive_int, default=384)
@@ -578,14 +579,16 @@ def parse_args(argv=None):
     parser.add_argument("--gain-lr", type=float, default=5e-2,
                         help="peak learning rate of `loggain`'s log gains (same schedule as --lr)")
     parser.add_argument("--small-oinit", type=float, default=0.02, help="o_proj init factor of `small_oinit`")
-    parser.add_argument("--eval-span", type=positive_int, default=max(EXTRAPOLATION),
+    parser.add_argument("--eval-span", type=at_least(max(EXTRAPOLATION)), default=max(EXTRAPOLATION),
                         help="bytes of each test document evaluated, in multiples of --context")
-    parser.add_argument("--sliding", type=int, default=0,
+    parser.add_argument("--sliding", type=at_least(0), default=0,
                         help="also evaluate with windows every 1/k window (0: only non-overlapping windows)")
-    parser.add_argument("--stats-factors", type=int, nargs="+", default=list(EXTRAPOLATION),
+    parser.add_argument("--stats-factors", type=positive_int, nargs="+", default=list(EXTRAPOLATION),
                         help="lengths (multiples of --context) at which attention statistics are measured")
-    parser.add_argument("--train-docs", type=int, default=None, help="use only the first N Brown-train documents")
-    parser.add_argument("--eval-docs", type=int, default=None, help="use only the first N Brown-test documents")
+    parser.add_argument("--train-docs", type=positive_int, default=None,
+                        help="use only the first N Brown-train documents")
+    parser.add_argument("--eval-docs", type=positive_int, default=None,
+                        help="use only the first N Brown-test documents")
     parser.add_argument("--stats-blocks", type=positive_int, default=16,
                         help="test blocks for the attention statistics")
     parser.add_argument("--threads", type=positive_int, default=1,
@@ -606,6 +609,9 @@ def parse_args(argv=None):
                      "size (rotary embeddings rotate pairs of channels)")
     if args.out.exists() and not args.out.is_dir():
         parser.error(f"--out {args.out} is a file: give a folder (it is created if missing)")
+    if max(args.stats_factors) > args.eval_span:
+        parser.error(f"--stats-factors {max(args.stats_factors)} is longer than --eval-span ({args.eval_span}): the "
+                     "test segments hold eval-span x context bytes")
     if "loggain" in args.variants and args.gain_init <= 0:
         parser.error(f"--gain-init must be > 0 for `loggain` (its gain is exp(g), g = log of it); got {args.gain_init}")
     args.steps *= args.steps_factor
@@ -626,6 +632,43 @@ def run_grid(args, argv: list[str]) -> list[str]:
     `finished`. `--jobs` worker processes (niced) each run every `jobs`-th cell one after another in-process
     (one interpreter start and one corpus load per worker, not per cell); their output goes to
     `--out/worker-K.txt`."""
+    passed = cell_arguments(args, argv)
+    cells = grid_cells(args)
+    if args.worker is not None:
+        done = []
+        for cell, seed, extra in cells[args.worker :: args.jobs]:
+            out = args.out / cell / f"seed{seed}"
+            if not finished_run(out / "results.json"):
+                print(f"[{time.strftime('%H:%M:%S')}] {cell} seed {seed}: start", flush=True)
+                main([*passed, "--no-plots", "--seed", str(seed), "--out", str(out), *extra])
+            done.append(str(out))
+        return done
+    for cell, seed, extra in cells:  # every cell's own options, checked before any cell trains
+        parse_args([*passed, "--seed", str(seed), "--out", str(args.out / cell / f"seed{seed}"), *extra])
+    make_out_folder(args.out)
+    workers = []
+    for worker in range(args.jobs):
+        command = ["nice", "-n", str(args.nice), sys.executable, "-m", "lazy_llama_tools.replicate", *passed,
+                   "--grid", args.grid, "--seeds", *map(str, args.seeds), "--jobs", str(args.jobs),
+                   "--out", str(args.out), "--worker", str(worker), "--order", args.order]
+        handle = open(args.out / f"worker-{worker}.txt", "a", encoding="utf-8")  # noqa: SIM115 (closed below)
+        workers.append((subprocess.Popen(command, stdout=handle, stderr=subprocess.STDOUT), handle))
+    failed = []
+    for worker, (process, handle) in enumerate(workers):
+        process.wait()
+        handle.close()
+        print(f"[{time.strftime('%H:%M:%S')}] worker exit {process.returncode}", flush=True)
+        if process.returncode:
+            failed.append(f"worker {worker} exited with {process.returncode}: see {args.out / f'worker-{worker}.txt'}")
+    if failed:
+        raise SystemExit(f"replicate: error: {'; '.join(failed)} (finished cells are kept: the same command "
+                         "resumes the grid)")
+    return [str(args.out / cell / f"seed{seed}") for cell, seed, _ in cells]
+
+
+def cell_arguments(args, argv: list[str]) -> list[str]:
+    """`argv` without the grid's own options (`--grid`, `--seeds`, `--out`, ...), in either spelling (`--grid NAME`
+    or `--grid=NAME`): what every cell of the grid runs with (a cell handed `--grid` would start a grid itself)."""
     drop = {"--grid": 1, "--seeds": len(args.seeds), "--jobs": 1, "--out": 1, "--nice": 1, "--worker": 1,
             "--order": 1}
     passed, skip = [], 0
@@ -634,32 +677,26 @@ def run_grid(args, argv: list[str]) -> list[str]:
             skip -= 1
         elif item in drop:
             skip = drop[item]
-        else:
+        elif item.split("=", 1)[0] not in drop:
             passed.append(item)
-    cells = grid_cells(args)
-    if args.worker is not None:
-        done = []
-        for cell, seed, extra in cells[args.worker :: args.jobs]:
-            out = args.out / cell / f"seed{seed}"
-            saved = out / "results.json"
-            if not (saved.is_file() and json.loads(saved.read_text()).get("finished")):
-                print(f"[{time.strftime('%H:%M:%S')}] {cell} seed {seed}: start", flush=True)
-                main([*passed, "--no-plots", "--seed", str(seed), "--out", str(out), *extra])
-            done.append(str(out))
-        return done
-    args.out.mkdir(parents=True, exist_ok=True)
-    workers = []
-    for worker in range(args.jobs):
-        command = ["nice", "-n", str(args.nice), sys.executable, "-m", "lazy_llama_tools.replicate", *passed,
-                   "--grid", args.grid, "--seeds", *map(str, args.seeds), "--jobs", str(args.jobs),
-                   "--out", str(args.out), "--worker", str(worker), "--order", args.order]
-        handle = open(args.out / f"worker-{worker}.txt", "a", encoding="utf-8")  # noqa: SIM115 (closed below)
-        workers.append((subprocess.Popen(command, stdout=handle, stderr=subprocess.STDOUT), handle))
-    for process, handle in workers:
-        process.wait()
-        handle.close()
-        print(f"[{time.strftime('%H:%M:%S')}] worker exit {process.returncode}", flush=True)
-    return [str(args.out / cell / f"seed{seed}") for cell, seed, _ in cells]
+    return passed
+
+
+def finished_run(path: Path) -> bool:
+    """Whether `path` is a results.json that says `finished`; an unreadable one (a run killed while writing it)
+    counts as unfinished, so that the cell runs again."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(data, dict) and bool(data.get("finished"))
+
+
+def make_out_folder(out: Path) -> None:
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise SystemExit(f"replicate: error: cannot create --out {out}: {error.strerror or error}") from None
 
 
 def main(argv=None) -> dict:
@@ -668,7 +705,7 @@ def main(argv=None) -> dict:
     if args.grid:
         return {"grid": args.grid, "runs": run_grid(args, argv)}
     torch.set_num_threads(args.threads)
-    args.out.mkdir(parents=True, exist_ok=True)
+    make_out_folder(args.out)
     log_file = open(args.out / "log.txt", "a", encoding="utf-8")  # noqa: SIM115 (closed at the end of main)
 
     def log(message: str):
@@ -679,6 +716,12 @@ def main(argv=None) -> dict:
 
     train_documents = corpus("train")[: args.train_docs]
     test_documents = corpus("test")[: args.eval_docs]
+    if not any(len(doc) >= args.context for doc in train_documents):
+        raise SystemExit(f"replicate: error: no training document holds a block of --context {args.context} bytes: "
+                         "lower --context or raise --train-docs")
+    if not eval_segments(test_documents, args):
+        raise SystemExit(f"replicate: error: no test document holds --eval-span x --context = "
+                         f"{args.eval_span * args.context} bytes: lower --context or raise --eval-docs")
     blocks = document_blocks(train_documents, args.context)
     config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
     results = {"config": config, "train_blocks": blocks.shape[0],
@@ -714,9 +757,9 @@ def main(argv=None) -> dict:
         results["runs"][variant] = run
         models[variant] = model
         # after each variant, so that partial results survive
-        (args.out / "results.json").write_text(json.dumps(results, indent=1))
+        write_text_whole(args.out / "results.json", json.dumps(results, indent=1))
     results["finished"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-    (args.out / "results.json").write_text(json.dumps(results, indent=1))
+    write_text_whole(args.out / "results.json", json.dumps(results, indent=1))
     table = results_table(results) + "\n" + per_layer_table(results)
     (args.out / "table.md").write_text(table)
     log("\n" + table)

@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from lazy_llama_tools.cli import one_line_errors
+from lazy_llama_tools.loading import one_line
 
 PAIRED_FIGURES = ("sink", "sink_share", "sink@4x", "sink_share@4x")  # differences `cell - reference`, same seed
 FIGURES = ("sparsity", "sparsity_pooled", "surviving_mass", "removed_mass", "sink", "sink_share", "tile_density")
@@ -119,46 +120,72 @@ def load_grid(folder: Path) -> dict:
     """`{cell: {seed: record}}` of every finished run under `folder`."""
     cells = {}
     for path in sorted(folder.glob("*/seed*/results.json")):
-        data = json.loads(path.read_text())
+        seed = path.parent.name.removeprefix("seed")
+        if not seed.lstrip("-").isdigit():  # e.g. a `seed0-old` copy: not a seed of the grid
+            continue
+        data = read_results(path)
         if not data.get("finished"):
             continue
-        (run,) = data["runs"].values()
-        ev = run["eval"]
-        tail = run["losses"][-max(1, len(run["losses"]) // 20):]
-        record = {
-            "commit": data.get("code", {}).get("commit"), "dirty": data.get("code", {}).get("dirty"),
-            "command": data.get("command"), "steps": data["config"]["steps"],
-            "train_loss_tail": sum(tail) / len(tail), "train_seconds": run["train_seconds"],
-        }
-        for key, value in ev.items():
-            if key.startswith(("ppl@", "sliding_ppl@")):
-                record[key] = value
-        record["docs"] = {key.removeprefix("doc_nll@"): (ev[key], ev[key.replace("nll", "tokens")])
-                          for key in ev if key.startswith("doc_nll@")}
-        for factor in ("2x", "4x"):  # how much worse the same text gets with longer windows
-            if f"ppl@{factor}" in ev:
-                record[f"rise@{factor}"] = ev[f"ppl@{factor}"] / ev["ppl@1x"] - 1
-        for factor_key in [k for k in ev if k.startswith("attention")]:
-            suffix = factor_key.removeprefix("attention")
-            for fig in FIGURES:
-                if fig in ev[factor_key]["mean"]:
-                    record[fig + suffix] = ev[factor_key]["mean"][fig]
-        for fig in FIGURES:
-            if fig in run.get("init_attention", {}).get("mean", {}):
-                record["init_" + fig] = run["init_attention"]["mean"][fig]
-        taus = [t for layer in run.get("learned", {}).get("tau", []) for t in layer]
-        if taus:
-            record["tau_mean"] = sum(taus) / len(taus)
-        gains = [g for layer in run.get("output", {}).get("head_gain", []) for g in layer]
-        if gains:
-            record["head_gain_mean"] = sum(gains) / len(gains)
-            record["head_gain_min"], record["head_gain_max"] = min(gains), max(gains)
-        for when, key in (("init_", "init_output"), ("", "output")):
-            norms = run.get(key, {}).get("o_proj_norm")
-            if norms:
-                record[when + "o_proj_norm_mean"] = sum(norms) / len(norms)
-        cells.setdefault(path.parent.parent.name, {})[int(path.parent.name.removeprefix("seed"))] = record
+        try:
+            cells.setdefault(path.parent.parent.name, {})[int(seed)] = grid_record(data)
+        except (KeyError, TypeError, ValueError, AttributeError, ZeroDivisionError) as error:
+            raise SystemExit(f"study_summary: error: {path} is not the results of one finished grid cell "
+                             f"({one_line(error, 200)}): move it away or rerun that cell") from None
     return cells
+
+
+def read_results(path: Path) -> dict:
+    """A results.json as a dict, or one line saying why it cannot be read."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as error:
+        raise SystemExit(f"study_summary: error: {path} cannot be read ({one_line(error, 200)}): delete it to rerun "
+                         "that cell (the grid's own command reruns unfinished cells)") from None
+    if not isinstance(data, dict):
+        raise SystemExit(f"study_summary: error: {path} holds a JSON {type(data).__name__}, not a run's results")
+    return data
+
+
+def grid_record(data: dict) -> dict:
+    """The figures of one grid cell's finished run (its results.json holds exactly one run)."""
+    if len(data["runs"]) != 1:
+        raise ValueError(f"it holds {len(data['runs'])} runs, a grid cell one")
+    (run,) = data["runs"].values()
+    ev = run["eval"]
+    tail = run["losses"][-max(1, len(run["losses"]) // 20):]
+    record = {
+        "commit": data.get("code", {}).get("commit"), "dirty": data.get("code", {}).get("dirty"),
+        "command": data.get("command"), "steps": data["config"]["steps"],
+        "train_loss_tail": sum(tail) / len(tail), "train_seconds": run["train_seconds"],
+    }
+    for key, value in ev.items():
+        if key.startswith(("ppl@", "sliding_ppl@")):
+            record[key] = value
+    record["docs"] = {key.removeprefix("doc_nll@"): (ev[key], ev[key.replace("nll", "tokens")])
+                      for key in ev if key.startswith("doc_nll@")}
+    for factor in ("2x", "4x"):  # how much worse the same text gets with longer windows
+        if f"ppl@{factor}" in ev:
+            record[f"rise@{factor}"] = ev[f"ppl@{factor}"] / ev["ppl@1x"] - 1
+    for factor_key in [k for k in ev if k.startswith("attention")]:
+        suffix = factor_key.removeprefix("attention")
+        for fig in FIGURES:
+            if fig in ev[factor_key]["mean"]:
+                record[fig + suffix] = ev[factor_key]["mean"][fig]
+    for fig in FIGURES:
+        if fig in run.get("init_attention", {}).get("mean", {}):
+            record["init_" + fig] = run["init_attention"]["mean"][fig]
+    taus = [t for layer in run.get("learned", {}).get("tau", []) for t in layer]
+    if taus:
+        record["tau_mean"] = sum(taus) / len(taus)
+    gains = [g for layer in run.get("output", {}).get("head_gain", []) for g in layer]
+    if gains:
+        record["head_gain_mean"] = sum(gains) / len(gains)
+        record["head_gain_min"], record["head_gain_max"] = min(gains), max(gains)
+    for when, key in (("init_", "init_output"), ("", "output")):
+        norms = run.get(key, {}).get("o_proj_norm")
+        if norms:
+            record[when + "o_proj_norm_mean"] = sum(norms) / len(norms)
+    return record
 
 
 def mean_std(values: list[float], eval_ci95: list[float] | None = None) -> dict:
@@ -345,13 +372,16 @@ def markdown(summary: dict, reference: str, lazy: str) -> str:
 def bias_tail(results_file: Path, start: int, stop: int, threshold: float = 0.05) -> dict:
     """Per run of a `results.json`: how many learned distance-bias entries at distances `start..stop-1` (all
     layers and heads) exceed `threshold` in magnitude, and their extremes."""
-    data = json.loads(Path(results_file).read_text())
+    data = read_results(results_file)
     out = {}
-    for name, run in data["runs"].items():
+    for name, run in data.get("runs", {}).items():
         bias = run.get("learned", {}).get("distance_bias")
         if not bias:
             continue
         values = [x for layer in bias for head in layer for x in head[start:stop]]
+        if not values:
+            raise SystemExit(f"study_summary: error: --bias-tail {start} {stop}: {name}'s bias window holds "
+                             f"distances 0..{len(bias[0][0]) - 1}")
         out[name] = {"distances": [start, stop - 1], "entries": len(values),
                      "beyond_threshold": sum(abs(x) > threshold for x in values), "threshold": threshold,
                      "positive_beyond": sum(x > threshold for x in values), "min": min(values), "max": max(values)}
@@ -371,6 +401,8 @@ def main(argv=None) -> dict:
     if args.bias_tail:
         if not args.folder.is_file():
             raise SystemExit(f"study_summary: error: {args.folder}: no such results.json file")
+        if not 0 <= args.bias_tail[0] < args.bias_tail[1]:
+            parser.error(f"--bias-tail START STOP needs 0 <= START < STOP, got {args.bias_tail[0]} {args.bias_tail[1]}")
         report = bias_tail(args.folder, *args.bias_tail)
         print(json.dumps(report, indent=1))
         return report

@@ -52,8 +52,46 @@ def test_replicate_smoke(tmp_path):
 
 @pytest.mark.parametrize("arguments, message", [
     (["--heads", "3"], "must split into --heads (3) heads of an even size"), (["--steps", "0"], "must be at least 1"),
-    (["--lr", "nan"], "must be a finite number"), (["--out", "README.md"], "is a file: give a folder")])
+    (["--lr", "nan"], "must be a finite number"), (["--out", "README.md"], "is a file: give a folder"),
+    (["--context", "1"], "argument --context: must be at least 2"), (["--train-docs", "0"], "must be at least 1"),
+    (["--eval-docs", "0"], "must be at least 1"), (["--sliding", "-1"], "argument --sliding: must be at least 0"),
+    (["--stats-factors", "0"], "must be at least 1"),
+    # 2x and 4x would score the 1x text again: refused rather than reported as measured
+    (["--eval-span", "1"], "argument --eval-span: must be at least 4"),
+    (["--stats-factors", "1", "8"], "--stats-factors 8 is longer than --eval-span (4)")])
 def test_bad_arguments_are_refused_in_one_line_before_any_work(arguments, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
         replicate.parse_args(arguments)
     assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_grid_options_never_reach_a_cell_in_either_spelling():
+    """A cell handed `--grid` would start a grid inside itself, and so on without end."""
+    argv = ["--grid=mechanism", "--seeds", "0", "1", "--out=/tmp/x", "--jobs=2", "--steps", "3", "--order", "cell"]
+    args = replicate.parse_args(argv)
+    assert replicate.cell_arguments(args, argv) == ["--steps", "3"]
+
+
+def test_a_cell_whose_options_fail_stops_the_grid_before_any_training(tmp_path, capsys):
+    """`loggain` refuses a non-positive gain: the grid says so in one line before the other cells train."""
+    with pytest.raises(SystemExit) as exit_info:
+        replicate.main(["--grid", "mechanism", "--gain-init", "-1", "--out", str(tmp_path / "grid")])
+    assert exit_info.value.code == 2 and "--gain-init must be > 0" in capsys.readouterr().err
+    assert not (tmp_path / "grid").exists()
+
+
+def test_an_unreadable_results_file_counts_as_unfinished(tmp_path):
+    saved = tmp_path / "results.json"
+    saved.write_text('{"runs": {')  # a run killed while writing it (results are now written whole)
+    assert not replicate.finished_run(saved)
+    saved.write_text(json.dumps({"finished": "2026-12-08T00:00:00Z"}))
+    assert replicate.finished_run(saved) and not replicate.finished_run(tmp_path / "missing.json")
+
+
+def test_an_out_folder_that_cannot_be_made_is_one_line(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(SystemExit) as exit_info:
+        replicate.main(["--out", str(blocker / "sub"), "--steps", "1"])
+    assert str(exit_info.value.code).startswith("replicate: error: cannot create --out") and "\n" not in str(
+        exit_info.value.code)

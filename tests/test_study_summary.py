@@ -62,6 +62,30 @@ def test_a_nan_figure_stays_nan_in_the_summary(tmp_path):
     assert "nan" in (tmp_path / "summary.md").read_text()
 
 
+@pytest.mark.parametrize("content, message", [
+    ('{"runs": {', "cannot be read"), ("", "cannot be read"), ("[1, 2]", "holds a JSON list"),
+    ('{"finished": "now"}', "is not the results of one finished grid cell"),
+    ('{"finished": "now", "runs": {"a": {}, "b": {}}}', "it holds 2 runs, a grid cell one"),
+])
+def test_a_bad_results_file_is_named_in_one_line(tmp_path, content, message):
+    write_run(tmp_path, "vanilla", 0, 10.0)
+    bad = tmp_path / "lazy" / "seed0"
+    bad.mkdir(parents=True)
+    (bad / "results.json").write_text(content)
+    with pytest.raises(SystemExit) as exit_info:
+        study_summary.main([str(tmp_path)])
+    text = str(exit_info.value.code)
+    assert text.startswith("study_summary: error: ") and message in text and "lazy/seed0" in text, text
+    assert "\n" not in text
+
+
+def test_a_folder_that_is_no_seed_is_left_out(tmp_path):
+    for seed in (0, 1):
+        write_run(tmp_path, "vanilla", seed, 10.0 + seed)
+    (tmp_path / "vanilla" / "seed1").rename(tmp_path / "vanilla" / "seed1-old")
+    assert study_summary.main([str(tmp_path)])["vanilla"]["seeds"] == [0]
+
+
 def test_bias_tail_counts_entries_beyond_the_threshold(tmp_path):
     bias = [[[0.0] * 10 + [0.06, -0.2, 0.01]]]  # one layer, one head, 13 distances
     path = tmp_path / "results.json"
@@ -69,6 +93,12 @@ def test_bias_tail_counts_entries_beyond_the_threshold(tmp_path):
     report = study_summary.bias_tail(path, 10, 13)
     assert report == {"lazy": {"distances": [10, 12], "entries": 3, "beyond_threshold": 2, "threshold": 0.05,
                                "positive_beyond": 1, "min": -0.2, "max": 0.06}}
+    with pytest.raises(SystemExit) as exit_info:  # beyond the window: said, not a traceback
+        study_summary.bias_tail(path, 20, 30)
+    assert "bias window holds distances 0..12" in str(exit_info.value.code)
+    with pytest.raises(SystemExit) as exit_info:
+        study_summary.main([str(path), "--bias-tail", "5", "0"])
+    assert exit_info.value.code == 2
 
 
 @pytest.mark.parametrize("arm, expected", [
@@ -300,3 +330,25 @@ def test_a_missing_or_empty_grid_is_one_line_and_writes_nothing(tmp_path):
     assert not (tmp_path / "summary.json").exists() and not (tmp_path / "summary.md").exists()
     with pytest.raises(SystemExit, match="no such results.json file"):
         study_summary.main([str(tmp_path / "results.json"), "--bias-tail", "0", "4"])
+
+
+@pytest.mark.parametrize("content, message", [
+    (None, "cannot be read"), ("{", "cannot be read"), ("{}", "is not this study's results"),
+])
+def test_lazify_summary_of_a_missing_or_bad_results_file_is_one_line(tmp_path, content, message):
+    if content is not None:
+        (tmp_path / "results.json").write_text(content)
+    with pytest.raises(SystemExit) as exit_info:
+        lazify_controls.main(["--summary-only", "--out", str(tmp_path)])
+    text = str(exit_info.value.code)
+    assert text.startswith("lazify_controls: error: ") and message in text and "\n" not in text, text
+
+
+@pytest.mark.parametrize("arguments, message", [
+    (["--steps", "-1"], "argument --steps: must be at least 1"), (["--eval-context", "0"], "must be at least 1"),
+    (["--tau-sweep", "nan"], "must be a finite number"), (["--out", "README.md"], "is a file: give a folder"),
+])
+def test_lazify_bad_arguments_are_refused_before_the_model_loads(arguments, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        lazify_controls.parse_args(arguments)
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err

@@ -268,18 +268,18 @@ def test_budget_grid_trains_the_same_bytes_at_every_length():
 
 
 def test_per_document_losses_add_up_to_the_pooled_perplexity():
-    args = replicate.parse_args(["--context", "16", "--eval-span", "2", "--stats-factors", "1", "--stats-blocks",
+    args = replicate.parse_args(["--context", "16", "--eval-span", "4", "--stats-factors", "1", "--stats-blocks",
                                  "2", "--hidden-size", "32", "--intermediate-size", "64", "--layers", "2",
                                  "--heads", "2"])
     model = replicate.build_model("lazy", args)
-    documents = ["".join(chr(97 + (i * k) % 26) for i in range(40 + k)) for k in range(1, 4)]
+    documents = ["".join(chr(97 + (i * k) % 26) for i in range(70 + k)) for k in range(1, 4)]
     result = replicate.evaluate(model, documents, args)
-    for factor in ("1x", "2x"):
+    for factor in ("1x", "2x", "4x"):
         nll, tokens = result[f"doc_nll@{factor}"], result[f"doc_tokens@{factor}"]
         assert len(nll) == len(tokens) == 3
         assert math.exp(sum(nll) / sum(tokens)) == pytest.approx(result[f"ppl@{factor}"], rel=1e-12)
         for doc, doc_nll, doc_tokens in zip(documents, nll, tokens):  # each document scored on its own
-            scored = replicate.perplexity(model, torch.tensor(replicate.byte_tokens(doc)[:32]),
+            scored = replicate.perplexity(model, torch.tensor(replicate.byte_tokens(doc)[:64]),
                                           context=16 * int(factor[0]))
             assert doc_nll == pytest.approx(scored["nll"] * scored["tokens"]) and doc_tokens == scored["tokens"]
 
