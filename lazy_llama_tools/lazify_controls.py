@@ -38,7 +38,7 @@ from lazy_llama_tools.cli import at_least, finite_float, one_line_errors, positi
 from lazy_llama_tools.data import brown_documents, pack_token_blocks, smollm2_llama_dir
 from lazy_llama_tools.finetune import load_model
 from lazy_llama_tools.folders import write_text_whole
-from lazy_llama_tools.loading import one_line
+from lazy_llama_tools.loading import one_line, read_json_object
 from lazy_llama_tools.metrics import (
     attention_statistics,
     perplexity,
@@ -231,7 +231,7 @@ def pareto_plot(results: dict, path: Path) -> None:
 
 
 def write_summary(out: Path) -> str:
-    results = read_results(out / "results.json")
+    results = read_json_object(out / "results.json", "lazify_controls")
     try:
         text = summary_markdown(results)
     except (KeyError, TypeError, ValueError) as error:
@@ -270,28 +270,17 @@ def parse_args(argv=None):
     return args
 
 
-def read_results(path: Path) -> dict:
-    """An earlier run's results.json, or one line saying why it cannot be used."""
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError) as error:
-        raise SystemExit(f"lazify_controls: error: {path} cannot be read ({one_line(error, 200)})") from None
-    if not isinstance(data, dict):
-        raise SystemExit(f"lazify_controls: error: {path} holds a JSON {type(data).__name__}, not a run's results")
-    return data
-
-
 def main(argv=None) -> dict:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parse_args(argv)
     if args.summary_only:
         print(write_summary(args.out))
-        return read_results(args.out / "results.json")
+        return read_json_object(args.out / "results.json", "lazify_controls")
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     args.out.mkdir(parents=True, exist_ok=True)
     saved = args.out / "results.json"
-    results = read_results(saved) if saved.is_file() else {}
+    results = read_json_object(saved, "lazify_controls") if saved.is_file() else {}
     previous = results.get("commands") or ([results["command"]] if "command" in results else [])
     for entry in [*results.get("tau_sweep", {}).values(), *results.get("arms", {}).values()]:
         entry.setdefault("code", results["code"])  # entries written before the code was kept per entry

@@ -51,6 +51,18 @@ def one_line(error: BaseException, limit: int = 400) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+def read_json_object(path, prog: str, hint: str = "") -> dict:
+    """The JSON object in the file `path` (a tool's results.json), or `SystemExit` with one line
+    (`PROG: error: PATH ...`, then `hint`) saying why it cannot be read or is no object."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as error:
+        raise SystemExit(f"{prog}: error: {path} cannot be read ({one_line(error, 200)}){hint}") from None
+    if not isinstance(data, dict):
+        raise SystemExit(f"{prog}: error: {path} holds a JSON {type(data).__name__}, not a run's results")
+    return data
+
+
 def listed(items: list[str], shown: int = 5) -> str:
     """`a, b, c and 4 more`: the first `shown` items of a list for a message."""
     return ", ".join(items[:shown]) + (f" and {len(items) - shown} more" if len(items) > shown else "")

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from lazy_llama_tools.cli import one_line_errors
-from lazy_llama_tools.loading import one_line
+from lazy_llama_tools.loading import one_line, read_json_object
 
 PAIRED_FIGURES = ("sink", "sink_share", "sink@4x", "sink_share@4x")  # differences `cell - reference`, same seed
 FIGURES = ("sparsity", "sparsity_pooled", "surviving_mass", "removed_mass", "sink", "sink_share", "tile_density")
@@ -123,7 +123,8 @@ def load_grid(folder: Path) -> dict:
         seed = path.parent.name.removeprefix("seed")
         if not seed.lstrip("-").isdigit():  # e.g. a `seed0-old` copy: not a seed of the grid
             continue
-        data = read_results(path)
+        data = read_json_object(path, "study_summary", ": delete it to rerun that cell (the grid's own command "
+                                "reruns unfinished cells)")
         if not data.get("finished"):
             continue
         try:
@@ -132,18 +133,6 @@ def load_grid(folder: Path) -> dict:
             raise SystemExit(f"study_summary: error: {path} is not the results of one finished grid cell "
                              f"({one_line(error, 200)}): move it away or rerun that cell") from None
     return cells
-
-
-def read_results(path: Path) -> dict:
-    """A results.json as a dict, or one line saying why it cannot be read."""
-    try:
-        data = json.loads(Path(path).read_text())
-    except (OSError, ValueError) as error:
-        raise SystemExit(f"study_summary: error: {path} cannot be read ({one_line(error, 200)}): delete it to rerun "
-                         "that cell (the grid's own command reruns unfinished cells)") from None
-    if not isinstance(data, dict):
-        raise SystemExit(f"study_summary: error: {path} holds a JSON {type(data).__name__}, not a run's results")
-    return data
 
 
 def grid_record(data: dict) -> dict:
@@ -372,7 +361,7 @@ def markdown(summary: dict, reference: str, lazy: str) -> str:
 def bias_tail(results_file: Path, start: int, stop: int, threshold: float = 0.05) -> dict:
     """Per run of a `results.json`: how many learned distance-bias entries at distances `start..stop-1` (all
     layers and heads) exceed `threshold` in magnitude, and their extremes."""
-    data = read_results(results_file)
+    data = read_json_object(results_file, "study_summary")
     out = {}
     for name, run in data.get("runs", {}).items():
         bias = run.get("learned", {}).get("distance_bias")
