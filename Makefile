@@ -5,7 +5,7 @@ TORCH_VERSION ?= 2.13.0
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 
-.PHONY: setup demo test lint serve-setup serve test-low
+.PHONY: setup demo test lint serve-setup serve test-low help
 
 setup: $(VENV)/.installed
 
@@ -63,3 +63,13 @@ serve: serve-setup
 test-low: serve-setup
 	$(SERVE_PY) -m pytest -q tests/test_modeling.py tests/test_generation.py tests/test_save_load.py \
 		tests/test_serving.py
+
+# What each target does (`make` alone runs setup).
+help:
+	@echo "make setup       build $(VENV): torch, the project with its native op, SmolLM2 (once; reruns when inputs change)"
+	@echo "make demo        convert the bundled SmolLM2 into LazyLlama, check it, generate, report sparsity"
+	@echo "make test        the test suite (CPU; Triton kernels under the interpreter)"
+	@echo "make lint        ruff"
+	@echo "make serve       vLLM (CPU) OpenAI-compatible server on the converted SmolLM2, port $(SERVE_PORT)"
+	@echo "make test-low    model tests at transformers' low end and the vLLM tests, in $(SERVE_VENV)"
+	@echo "make serve-setup build $(SERVE_VENV) for serving"

@@ -22,6 +22,7 @@ import functools
 import json
 import math
 import statistics
+import sys
 from pathlib import Path
 
 import torch
@@ -117,8 +118,9 @@ def eval_interval_ratio(cell: dict, reference: dict, factor: str, ref_factor: st
 
 
 def load_grid(folder: Path) -> dict:
-    """`{cell: {seed: record}}` of every finished run under `folder`."""
-    cells = {}
+    """`{cell: {seed: record}}` of every finished run under `folder`; one line on stderr names the runs left out
+    because they have not finished (a table with fewer seeds than the grid ran says why)."""
+    cells, unfinished = {}, []
     for path in sorted(folder.glob("*/seed*/results.json")):
         seed = path.parent.name.removeprefix("seed")
         if not seed.lstrip("-").isdigit():  # e.g. a `seed0-old` copy: not a seed of the grid
@@ -126,12 +128,16 @@ def load_grid(folder: Path) -> dict:
         data = read_json_object(path, "study_summary", ": delete it to rerun that cell (the grid's own command "
                                 "reruns unfinished cells)")
         if not data.get("finished"):
+            unfinished.append(f"{path.parent.parent.name}/{path.parent.name}")
             continue
         try:
             cells.setdefault(path.parent.parent.name, {})[int(seed)] = grid_record(data)
         except (KeyError, TypeError, ValueError, AttributeError, ZeroDivisionError) as error:
             raise SystemExit(f"study_summary: error: {path} is not the results of one finished grid cell "
                              f"({one_line(error, 200)}): move it away or rerun that cell") from None
+    if unfinished:
+        print(f"study_summary: left out {len(unfinished)} unfinished run(s): {', '.join(unfinished)} (the grid's "
+              "own command finishes them)", file=sys.stderr)
     return cells
 
 
@@ -268,11 +274,14 @@ def fmt(stat: dict | None, scale: float = 1.0, digits: int = 3, percent: bool = 
     unit = "%" if percent else ""
     mult = 100 if percent else scale
     sign = "+" if percent or test else ""
-    text = f"{stat['mean'] * mult:{sign}.{digits}f}{unit}"
+    def number(x: float) -> str:  # + 0.0 turns a -0.0 (what a small negative value rounds to) into 0.0
+        return f"{round(x, digits) + 0.0:{sign}.{digits}f}"
+
+    text = f"{number(stat['mean'] * mult)}{unit}"
     interval = stat.get("ci95") or stat.get("eval_ci95")
     if interval is not None:
         low, high = (x * mult for x in interval)
-        text += f" [{low:{sign}.{digits}f}, {high:{sign}.{digits}f}]"
+        text += f" [{number(low)}, {number(high)}]"
     text += f" (n={stat['n']}{', eval' if stat.get('ci95') is None and interval else ''})"
     if interval is None and stat["n"] == 1:
         text += " no interval"
@@ -402,6 +411,11 @@ def main(argv=None) -> dict:
     if not cells:
         raise SystemExit(f"study_summary: error: {args.folder} holds no finished run (CELL/seedS/results.json "
                          "with \"finished\": true): nothing to summarise")
+    for role, name in (("--reference", args.reference), ("--lazy", args.lazy)):
+        wanted = {f"{cell.split('-', 1)[0]}-{name}" for cell in cells} if args.by_prefix else {name}
+        if not wanted & cells.keys():
+            print(f"study_summary: no cell named {'/'.join(sorted(wanted))} ({role}): the columns paired with it stay "
+                  f"empty (cells: {', '.join(sorted(cells))})", file=sys.stderr)
     summary = summarise(cells, args.reference, args.lazy, args.by_prefix)
     (args.folder / "summary.json").write_text(json.dumps(summary, indent=1))
     table = markdown(summary, args.reference, args.lazy)

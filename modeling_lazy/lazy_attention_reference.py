@@ -25,8 +25,8 @@ import torch
 DECODE_MAX_ROWS = 16
 ENV_PREFIX = "LAZY_LLAMA_"
 # Other names read for a variable: the Lazy Attention specification's name for the backend switch, read silently
-# (scripts written against the specification set it); names used before the single prefix, with one deprecation
-# line each.
+# (scripts written against the specification set it; one line when both names are set to different values); names
+# used before the single prefix, with one deprecation line each.
 _SPEC_ENV_NAMES = {"LAZY_LLAMA_BACKEND": "LAZY_ATTENTION_BACKEND"}
 _OLD_ENV_NAMES = {"LAZY_LLAMA_CPU_KERNEL": "LAZY_ATTENTION_CPU_KERNEL", "LAZY_LLAMA_CACHE": "LAZYLLAMA_CACHE"}
 _WARNED_OLD_NAMES: set = set()
@@ -37,9 +37,16 @@ def environment_setting(name: str, default: str | None = None) -> str | None:
     else its old name (warned once), else `default`. Every variable the project reads goes through here, so they all
     share one prefix."""
     full = ENV_PREFIX + name
-    if full in os.environ:
-        return os.environ[full]
     spec = _SPEC_ENV_NAMES.get(full)
+    if full in os.environ:
+        value = os.environ[full]
+        if spec is not None and os.environ.get(spec, value).strip().lower() != value.strip().lower():
+            conflict = (full, value, os.environ[spec])
+            if conflict not in _WARNED_OLD_NAMES:  # once per pair of values
+                _WARNED_OLD_NAMES.add(conflict)
+                warnings.warn(f"{full}={value} and {spec}={os.environ[spec]} disagree: {full} is used (unset one "
+                              "of them).", UserWarning, stacklevel=2)
+        return value
     if spec is not None and spec in os.environ:
         return os.environ[spec]
     old = _OLD_ENV_NAMES.get(full)

@@ -344,10 +344,12 @@ def test_backend_environment_variable(monkeypatch):
 
 
 def test_specification_backend_name_is_read_without_a_warning(monkeypatch):
-    """`LAZY_ATTENTION_BACKEND`, the specification's name, works as `LAZY_LLAMA_BACKEND` does, silently."""
+    """`LAZY_ATTENTION_BACKEND`, the specification's name, works as `LAZY_LLAMA_BACKEND` does, silently; both set to
+    different values: the project's name wins, with one line."""
     import warnings
 
     from modeling_lazy import lazy_attention_ops as ops
+    from modeling_lazy import lazy_attention_reference
 
     model = tiny_model()
     ids = torch.randint(3, 97, (1, 8))
@@ -360,8 +362,14 @@ def test_specification_backend_name_is_read_without_a_warning(monkeypatch):
     monkeypatch.setenv("LAZY_ATTENTION_BACKEND", "bogus")
     with pytest.raises(ValueError, match="LAZY_ATTENTION_BACKEND"):
         model(ids)
-    monkeypatch.setenv("LAZY_LLAMA_BACKEND", "torch")  # the project's own name takes precedence
-    assert torch.equal(model(ids).logits, base)
+    monkeypatch.setenv("LAZY_LLAMA_BACKEND", "torch")  # the project's own name takes precedence, with one line
+    monkeypatch.setattr(lazy_attention_reference, "_WARNED_OLD_NAMES", set())
+    with pytest.warns(UserWarning, match="LAZY_LLAMA_BACKEND=torch and LAZY_ATTENTION_BACKEND=bogus disagree"):
+        assert torch.equal(model(ids).logits, base)
+    monkeypatch.setenv("LAZY_ATTENTION_BACKEND", "TORCH")  # the same choice under both names: silent
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert torch.equal(model(ids).logits, base)
 
 
 @pytest.mark.parametrize("old, new, value", [("LAZY_ATTENTION_CPU_KERNEL", "CPU_KERNEL", "0"),

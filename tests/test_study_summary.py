@@ -49,6 +49,31 @@ def test_summary_means_stds_and_paired_shares(tmp_path):
     assert "| control | 0,1 |" in (tmp_path / "summary.md").read_text()
 
 
+def test_left_out_runs_and_unknown_cells_are_named(tmp_path, capsys):
+    """A summary with fewer seeds than the grid ran says which runs it left out (unfinished), and a --reference or
+    --lazy that names no cell says so (its paired columns are empty) instead of leaving the reader to guess."""
+    for seed in (0, 1):
+        write_run(tmp_path, "vanilla", seed, 10.0 + seed)
+        write_run(tmp_path, "lazy", seed, 8.0 + seed)
+    write_run(tmp_path, "lazy", 2, 1.0, finished=False)
+    study_summary.main([str(tmp_path)])
+    err = capsys.readouterr().err
+    assert "left out 1 unfinished run(s): lazy/seed2" in err and "no cell named" not in err, err
+    summary = study_summary.main([str(tmp_path), "--reference", "vanila"])
+    err = capsys.readouterr().err
+    assert "no cell named vanila (--reference)" in err and "cells: lazy, vanilla" in err, err
+    assert "d_ppl@1x" not in summary["lazy"]["paired"]
+    study_summary.main([str(tmp_path), "--by-prefix"])  # cells without a prefix pair: named as the prefix asks
+    assert "no cell named lazy-vanilla/vanilla-vanilla (--reference)" in capsys.readouterr().err
+
+
+def test_values_that_round_to_zero_print_without_a_minus_sign():
+    assert study_summary.fmt({"mean": -0.0004, "n": 2, "ci95": [-0.0001, 0.3]}) == "0.000 [0.000, 0.300] (n=2)"
+    assert study_summary.fmt({"mean": -4e-5, "n": 2, "ci95": [-0.0001, 0.3]}, test=True) == \
+        "+0.000 [+0.000, +0.300] (n=2) not resolved"
+    assert study_summary.fmt({"mean": -0.0006, "n": 1}) == "-0.001 (n=1) no interval"
+
+
 def test_a_nan_figure_stays_nan_in_the_summary(tmp_path):
     """A figure with nothing to average is NaN in a run's results (e.g. the sink share of a cell whose rows all sum
     to 0); pooling it over seeds gives NaN without an interval, and the summary is written, not a traceback."""
