@@ -112,7 +112,8 @@ def _family(build: Build) -> str:
 
 def _constexprs(module, build: Build) -> dict:
     block_m, block_n, _, _ = module._config(build.kind, max(16, build.head_dim), _family(build))
-    return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=max(16, build.head_dim), D=build.head_dim,
+    block_n1 = module._pass1_block_n(build.kind, max(16, build.head_dim), _family(build))
+    return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_N1=block_n1, BLOCK_D=max(16, build.head_dim), D=build.head_dim,
                 UPCAST=False, PRECISION=module._DOT_PRECISION[build.dtype],
                 PAGE_SIZE=build.page_size, STORE_U=build.kind in ("causal_fwd_u", "causal_fwd_u1"),
                 PASSES={"causal_fwd_u1": 1, "causal_fwd_u": 2}.get(build.kind, 0), DOCUMENTS=build.documents,

@@ -357,6 +357,7 @@ class Work:
     iterations: list  # per tensor-core loop (address order), summed over programs; or per pass of the causal forward
     dram_bytes: float
     tile: tuple  # (rows, cols) of the score tile of one loop iteration
+    pass_tiles: dict | None = None  # the causal forward's: a pass whose tile is not `tile` (pass 1's wider keys)
 
 
 @dataclass(frozen=True)
@@ -400,21 +401,25 @@ def _lazy_causal_fwd_work(p: Problem, blocks, sms, store_u: bool = False, passes
     are given per pass (`causal_forward_passes` finds each pass's loops). `store_u` (training): U written too (bf16,
     as O), in the one pass from the running sums of V (float32, read once per row of key heads). `passes` 1 or 2:
     the training build that runs only the heads of one pass or of two; the other build's programs return after
-    their prologue (charged as whole programs without loops: an upper bound)."""
-    bm, bn = blocks
-    ranges = [_causal_ranges(p, m * bm, bm, bn) for m in range(_cdiv(p.length, bm))]
+    their prologue (charged as whole programs without loops: an upper bound). `blocks` (BM, BN) or (BM, BN, pass 1's
+    BN) (`work_blocks`)."""
+    bm, bn, bn1 = (*blocks, blocks[-1])[:3]
     bh = p.batch * p.heads
-    per_loop = [bh * sum(r[i] for r in ranges) for i in range(3)]
+
+    def per_loop(key_tile: int) -> list:
+        ranges = [_causal_ranges(p, m * bm, bm, key_tile) for m in range(_cdiv(p.length, bm))]
+        return [bh * sum(r[i] for r in ranges) for i in range(3)] if runs else [0] * 3
+
     one_pass = p.tau == 0 or (store_u and p.tau > 0)
     runs = passes == 0 or one_pass == (passes == 1)
-    if not runs:
-        per_loop = [0] * 3
-    iterations = {"pass 1": [0] * 3 if one_pass else per_loop, "pass 2": [0] * 3 if one_pass else per_loop,
-                  "one pass": per_loop if one_pass else [0] * 3}
+    none = [0] * 3
+    iterations = {"pass 1": none if one_pass else per_loop(bn1), "pass 2": none if one_pass else per_loop(bn),
+                  "one pass": per_loop(bn) if one_pass else none}
     qkvo = _bytes(2 * bh * p.length * p.dim, 2 * p.batch * p.kv_heads * p.length * p.dim)
     u = 2 * bh * p.length * p.dim if store_u else 0
     vsum = 4 * p.batch * p.kv_heads * p.length * p.dim if store_u and one_pass else 0  # the running sums of V
-    return Work(bh * len(ranges), iterations, (qkvo + u + vsum + 4 * bh * p.length) if runs else 4 * bh, (bm, bn))
+    return Work(bh * _cdiv(p.length, bm), iterations, (qkvo + u + vsum + 4 * bh * p.length) if runs else 4 * bh,
+                (bm, bn), {"pass 1": (bm, bn1)} if bn1 != bn else None)
 
 
 def _lazy_causal_delta_work(p: Problem, blocks, sms):
@@ -639,6 +644,17 @@ def _fa2_module():
     return fa2_reference_kernels
 
 
+def work_blocks(spec: KernelSpec, arch: int, dim: int) -> tuple:
+    """The blocks a work function takes: (BLOCK_M, BLOCK_N), and pass 1's BLOCK_N after them where a causal forward
+    build runs pass 1 on wider key tiles (`_pass1_block_n`)."""
+    block_m, block_n = blocks_of(spec, arch, dim)[:2]
+    if spec.source == "lazy" and spec.function == "_lazy_causal_fwd_kernel":
+        block_n1 = load_kernels()._pass1_block_n(spec.kind, max(16, dim), "sm90" if arch >= 90 else "sm80")
+        if block_n1 != block_n:
+            return block_m, block_n, block_n1
+    return block_m, block_n
+
+
 def blocks_of(spec: KernelSpec, arch: int, dim: int) -> tuple:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages) the launcher uses."""
     family = "sm90" if arch >= 90 else "sm80"
@@ -778,7 +794,7 @@ def problem_work(spec: KernelSpec, problem: Problem, blocks: tuple, sms: int) ->
         iterations = {k: [sum(w.iterations[k][i] for w in works) for i in range(3)] for k in works[0].iterations}
     else:
         iterations = [sum(w.iterations[i] for w in works) for i in range(len(works[0].iterations))]
-    return Work(programs, iterations, dram_bytes, works[0].tile)
+    return replace(works[0], programs=programs, iterations=iterations, dram_bytes=dram_bytes)
 
 
 LAUNCH_S = 2.5e-6  # charged per kernel launch (and per device op a launcher adds), so that launch-bound decode shows
@@ -858,8 +874,7 @@ def kernel_seconds(impl: str, scenario: str, codes: dict, problem: Problem, arch
     seconds = {}
     for key in SCENARIOS[impl][scenario]:
         spec = IMPLEMENTATIONS[impl][key]
-        block_m, block_n, _, _ = blocks_of(spec, arch, problem.dim)
-        work = problem_work(spec, problem, (block_m, block_n), MACHINES[arch].sms)
+        work = problem_work(spec, problem, work_blocks(spec, arch, problem.dim), MACHINES[arch].sms)
         seconds[key] = kernel_time(codes[(spec, arch, problem.dim)], work, arch)[measure]
     return seconds | _vsum_seconds(impl, scenario, problem, arch) | _launcher_op_seconds(impl, scenario, problem, arch)
 
@@ -930,20 +945,21 @@ def build_report(archs, dims, workers) -> dict:
         impl, key = specs[spec]
         block_m, block_n, warps, stages = blocks_of(spec, arch, dim)
         work = spec.work(prefill_problem(4096, dim) if not key.startswith("decode") else decode_problem(32768, dim),
-                         (block_m, block_n), MACHINES[arch].sms)
+                         work_blocks(spec, arch, dim), MACHINES[arch].sms)
         passes = ({i: name for name, group in causal_forward_passes(code, work.tile).items() for i in group}
                   if isinstance(work.iterations, dict) else {})
         loops = []
         for index, loop in enumerate(code.loops):
             cyc = loop.cycles(arch, code.num_warps)
-            loops.append({"pass": passes.get(index), "counts_per_warp": loop.counts,
+            tile = (work.pass_tiles or {}).get(passes.get(index), work.tile)
+            loops.append({"pass": passes.get(index), "tile": list(tile), "counts_per_warp": loop.counts,
                           "instructions_per_warp": loop.instructions,
-                          "per_score_element": per_element(code, index, work.tile),
+                          "per_score_element": per_element(code, index, tile),
                           "cycles_per_iteration": cyc, "pipelined_loads": loop.counts.get("async_copy", 0),
                           "ldg": loop.counts.get("ldg", 0), "atomics": loop.counts.get("atomic", 0)})
         report["kernels"].append({
             "implementation": impl, "kernel": spec.label, "function": spec.function, "arch": arch, "dim": dim,
-            "blocks": [block_m, block_n], "warps": warps, "stages": stages, "tile": list(work.tile),
+            "blocks": list(work_blocks(spec, arch, dim)), "warps": warps, "stages": stages, "tile": list(work.tile),
             "registers": code.registers, "spill_bytes": code.spill, "loops": loops,
             "outside_loops": {"instructions_per_warp": code.outside.instructions,
                               "cycles": code.outside.cycles(arch, code.num_warps)}})
@@ -988,7 +1004,8 @@ def markdown(report: dict) -> str:
         for i, loop in enumerate(k["loops"]):
             e = loop["per_score_element"]
             lines.append(
-                f"| {k['kernel']} | sm_{k['arch']} | {k['dim']} | {k['tile'][0]}x{k['tile'][1]} | {k['warps']} | {i}"
+                f"| {k['kernel']} | sm_{k['arch']} | {k['dim']} | {loop['tile'][0]}x{loop['tile'][1]} | "
+                f"{k['warps']} | {i}"
                 + (f" ({loop['pass']})" if loop.get("pass") else "") + " | "
                 f"{e['total']:.1f} | " + " | ".join(f"{e[c]:.2f}" for c in
                                                     ("tensor", "mufu", "fp32", "fcmp", "isetp/sel", "int", "addr64",

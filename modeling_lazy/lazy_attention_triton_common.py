@@ -143,9 +143,26 @@ def _config(kind: str, block_d: int, family: str = "sm90") -> tuple[int, int, in
     return _CONFIGS[family][(kind, 64 if block_d <= 64 else 128)]
 
 
+def _pass1_block_n(kind: str, block_d: int, family: str = "sm90") -> int:
+    """The key tile of the causal forward's pass 1 (`causal_passes`' BLOCK_N1): the build's own BN, except in the
+    training build of two passes (`causal_fwd_u`), whose BN is narrow because pass 2 also holds U's accumulator:
+    its pass 1, which holds neither accumulator, takes the inference build's wider tiles (`causal_fwd`, same BM)."""
+    block_m, block_n = _config(kind, block_d, family)[:2]
+    if kind == "causal_fwd_u":
+        wide_m, wide_n = _config("causal_fwd", block_d, family)[:2]
+        if wide_m == block_m:
+            return max(block_n, wide_n)
+    return block_n
+
+
 def _launch_config(kind: str, block_d: int, device: torch.device) -> tuple[int, int, int, int]:
     """`_config` for the GPU family of `device` (what every launcher calls: one place picks the family)."""
     return _config(kind, block_d, _gpu_family(device))
+
+
+def _launch_pass1_block_n(kind: str, block_d: int, device: torch.device) -> int:
+    """`_pass1_block_n` for the GPU family of `device`."""
+    return _pass1_block_n(kind, block_d, _gpu_family(device))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -467,8 +484,9 @@ CAUSAL_KINDS = ("causal_fwd", "causal_fwd_u1", "causal_fwd_u", "causal_dq", "cau
 
 def _causal_band(distance_bias: torch.Tensor, scaling: float, block_d: int, device: torch.device):
     """`(band, pad)`: the band every causal fast-path launch of this head dim reads (forward and backward: one kept
-    band, padded for the largest BM + BN among their builds)."""
-    pad = max(sum(_launch_config(kind, block_d, device)[:2]) for kind in CAUSAL_KINDS)
+    band, padded for the largest BM + BN among their builds, pass 1's BN for the forward's)."""
+    pad = max(_launch_config(kind, block_d, device)[0] + _launch_pass1_block_n(kind, block_d, device)
+              for kind in CAUSAL_KINDS)
     return _kept_band(distance_bias, scaling, pad), pad
 
 

@@ -41,6 +41,7 @@ from .lazy_attention_triton_common import (
     _dot,
     _last_dim_contiguous,
     _launch_config,
+    _launch_pass1_block_n,
     _load_keys,
     _load_rows,
     _row_threshold,
@@ -353,7 +354,7 @@ def causal_passes(q, q_pos, K, V, stride_kt, stride_vt, band_h, TAU_h, m0, Tq, T
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, D: tl.constexpr,
                    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
                    BT=None, stride_kb=0, stride_vb=0, PAGE_SIZE: tl.constexpr = 0, STORE_U: tl.constexpr = False,
-                   VSUM=None, stride_st=0, PASSES: tl.constexpr = 0):
+                   VSUM=None, stride_st=0, PASSES: tl.constexpr = 0, BLOCK_N1: tl.constexpr = 0):
     """The causal fast path for the query rows [m0, m0 + BM) of one head (row i at key index i + Tk - Tq,
     n = q_pos + 1): two passes (the row log-sum-exp, then `ReLU(p + tau/n) @ V`), or one (`_causal_one_pass`: no
     weight is cut): at tau = 0 without `STORE_U`; with it at tau > 0, and at tau = 0 where the head's bias has no
@@ -361,13 +362,16 @@ def causal_passes(q, q_pos, K, V, stride_kt, stride_vt, band_h, TAU_h, m0, Tq, T
     VSUM (`[Tk, D]` float32, row stride `stride_st`: VSUM[j] = v_0 + ... + v_j, `_lazy_value_sums_kernel`). Each
     pass runs three loops (beyond the window / inside it / at the causal limit). `PASSES` 1 or 2: build only the
     one pass or only the two (the caller runs only heads that take them: `_one_pass_head`), 0: both.
-    `band_h`: the head's band row in log2 units (every pass adds it after scaling); `TAU_h`: the head's tau.
+    `band_h`: the head's band row in log2 units (every pass adds it after scaling), from BM + max(BN, BLOCK_N1)
+    entries before distance 0; `TAU_h`: the head's tau. `BLOCK_N1` > BN: pass 1's key tiles (`_pass1_block_n`: it
+    holds no accumulator, so it can take wider tiles than pass 2 where U's accumulator takes registers).
     PAGE_SIZE > 0: K and V are a paged cache (`_load_keys`). Returns `(acc [BM, BLOCK_D] float32, u, alive [BM],
     lse2 [BM])`; `u = sum_j m_ij v_j` (float32) with `STORE_U`, zeros otherwise."""
+    BN1: tl.constexpr = max(BLOCK_N, BLOCK_N1)  # pass 1's key tile
     offs_m = tl.arange(0, BLOCK_M)
     rows = m0 + offs_m
     far, full, hi = _causal_key_ranges(m0, Tq, Tk, W, BLOCK_M, BLOCK_N)
-    band = band_h + (BLOCK_M + BLOCK_N) + m0 + Tk - Tq  # band of distance m0 + offset - start_n
+    band = band_h + (BLOCK_M + BN1) + m0 + Tk - Tq  # band of distance m0 + offset - start_n
     diagonal = offs_m[:, None] - tl.arange(0, BLOCK_N)[None, :]  # [BM, BN] row - column
 
     q_key_idx = rows + Tk - Tq
@@ -377,7 +381,7 @@ def causal_passes(q, q_pos, K, V, stride_kt, stride_vt, band_h, TAU_h, m0, Tq, T
     elif PASSES == 2:
         one_pass = False
     else:
-        one_pass = _one_pass_head(TAU_h, band_h + BLOCK_M + BLOCK_N, W, STORE_U)
+        one_pass = _one_pass_head(TAU_h, band_h + BLOCK_M + BN1, W, STORE_U)
     if one_pass:  # no ReLU cut: `_causal_one_pass`
         acc, alive, lse2 = _causal_one_pass(q, K, V, stride_kt, stride_vt, band, diagonal, far, full, hi, Tk,
                                             scale_log2, BLOCK_M, BLOCK_N, BLOCK_D, D, UPCAST, PRECISION, BT,
@@ -391,11 +395,13 @@ def causal_passes(q, q_pos, K, V, stride_kt, stride_vt, band_h, TAU_h, m0, Tq, T
     else:
         m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)  # finite: a tile of -inf scores keeps exp2() at 0, never NaN
         l_i = tl.zeros([BLOCK_M], tl.float32)
-        m_i, l_i = _causal_lse_tiles(q, m_i, l_i, K, stride_kt, band, diagonal, 0, far, Tk, scale_log2, BLOCK_N,
+        far1, full1, _ = _causal_key_ranges(m0, Tq, Tk, W, BLOCK_M, BN1)
+        diagonal1 = offs_m[:, None] - tl.arange(0, BN1)[None, :]
+        m_i, l_i = _causal_lse_tiles(q, m_i, l_i, K, stride_kt, band, diagonal1, 0, far1, Tk, scale_log2, BN1,
                                      BLOCK_D, D, False, False, UPCAST, PRECISION, BT, stride_kb, PAGE_SIZE)
-        m_i, l_i = _causal_lse_tiles(q, m_i, l_i, K, stride_kt, band, diagonal, far, full, Tk, scale_log2, BLOCK_N,
+        m_i, l_i = _causal_lse_tiles(q, m_i, l_i, K, stride_kt, band, diagonal1, far1, full1, Tk, scale_log2, BN1,
                                      BLOCK_D, D, True, False, UPCAST, PRECISION, BT, stride_kb, PAGE_SIZE)
-        m_i, l_i = _causal_lse_tiles(q, m_i, l_i, K, stride_kt, band, diagonal, full, hi, Tk, scale_log2, BLOCK_N,
+        m_i, l_i = _causal_lse_tiles(q, m_i, l_i, K, stride_kt, band, diagonal1, full1, hi, Tk, scale_log2, BN1,
                                      BLOCK_D, D, True, True, UPCAST, PRECISION, BT, stride_kb, PAGE_SIZE)
         # a row whose scores are all -inf has no normaliser: p = 0 on every key and no weight (threshold 0 here; the
         # stored LSE is DEAD_ROW_LSE, which both backwards recognise)
@@ -460,7 +466,7 @@ def _lazy_causal_fwd_kernel(Q, K, V, TAU, BAND, QPOS, OUT, LSE, U, DOCS, TILES, 
                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, D: tl.constexpr,
                             UPCAST: tl.constexpr, PRECISION: tl.constexpr, STORE_U: tl.constexpr,
                             DOCUMENTS: tl.constexpr = False, PASSES: tl.constexpr = 0,
-                            KEY_START: tl.constexpr = False):
+                            KEY_START: tl.constexpr = False, BLOCK_N1: tl.constexpr = 0):
     """Causal fast path, one query tile of one query head: `causal_passes`. Grid: (cdiv(Tq, BM), B * Hq). LSE in
     log2 units. `STORE_U` (training): also U_i = sum_j m_ij v_j into U (OUT's dtype, shape and strides), from
     which `_lazy_causal_bwd_delta_kernel` gets Delta and d tau without another pass over the keys; a head that runs
@@ -468,6 +474,8 @@ def _lazy_causal_fwd_kernel(Q, K, V, TAU, BAND, QPOS, OUT, LSE, U, DOCS, TILES, 
     float32, the running sums of V along each document's keys (`_lazy_value_sums_kernel`), instead of a product per
     key tile. `PASSES` 1 (2): only the heads of one pass (of two passes) run, the other programs return at once: the
     training launcher runs both builds, each with blocks of its own, so neither holds the other's registers.
+    `BLOCK_N1`: pass 1's key tiles where wider than BN (`causal_passes`); BAND from BM + max(BN, BLOCK_N1) entries
+    before distance 0.
 
     `DOCUMENTS`: the rows hold documents (packed, or between padding), each a causal layout of its own at
     positions 0 .. length - 1 (Tq = Tk = the row length): DOCS `[R, 3]` int32 (batch row, first token, length),
@@ -509,7 +517,7 @@ def _lazy_causal_fwd_kernel(Q, K, V, TAU, BAND, QPOS, OUT, LSE, U, DOCS, TILES, 
     rows = m0 + tl.arange(0, BLOCK_M)
     row_mask = rows < q_len
     if PASSES != 0:  # the heads of the other build return; the padding's tiles are the PASSES == 2 build's
-        one_pass = _one_pass_head(TAU + h, BAND + h * BAND_LEN + BLOCK_M + BLOCK_N, W, STORE_U)
+        one_pass = _one_pass_head(TAU + h, BAND + h * BAND_LEN + BLOCK_M + max(BLOCK_N, BLOCK_N1), W, STORE_U)
         if PASSES == 1:
             if padding or not one_pass:
                 return
@@ -533,7 +541,8 @@ def _lazy_causal_fwd_kernel(Q, K, V, TAU, BAND, QPOS, OUT, LSE, U, DOCS, TILES, 
                                         BAND + h * BAND_LEN, TAU + h, m0, q_len, k_len, W, scale_log2, BLOCK_M,
                                         BLOCK_N, BLOCK_D, D, UPCAST, PRECISION, STORE_U=STORE_U,
                                         VSUM=VSUM + b * stride_sb + hk * stride_sh +
-                                        k_start * stride_st, stride_st=stride_st, PASSES=PASSES)
+                                        k_start * stride_st, stride_st=stride_st, PASSES=PASSES,
+                                        BLOCK_N1=BLOCK_N1)
     out_offs = b * stride_ob + h.to(tl.int64) * stride_oh + (start + rows)[:, None] * stride_ot + offs_d[None, :]
     out_mask = row_mask[:, None] & (offs_d[None, :] < D)
     tl.store(OUT + out_offs, acc.to(OUT.dtype.element_ty), mask=out_mask)
@@ -617,7 +626,8 @@ def _causal_forward(query, key, value, tau, distance_bias, q_pos, scaling, block
     kv_heads, k_len = key.shape[1], key.shape[2]
     # training runs the heads of one pass and those of two passes as two launches of their own builds and blocks
     builds = [("causal_fwd_u1", 1), ("causal_fwd_u", 2)] if store_u else [("causal_fwd", 0)]
-    configs = [(_launch_config(kind, block_d, query.device), passes) for kind, passes in builds]
+    configs = [(_launch_config(kind, block_d, query.device), _launch_pass1_block_n(kind, block_d, query.device),
+                passes) for kind, passes in builds]
     band, pad = _causal_band(distance_bias, scaling, block_d, query.device)  # kept with distance_bias
     out = torch.empty(bsz, q_len, num_heads, dim, dtype=query.dtype, device=query.device)
     lse = torch.empty(bsz, num_heads, q_len, dtype=torch.float32, device=query.device)
@@ -632,7 +642,7 @@ def _causal_forward(query, key, value, tau, distance_bias, q_pos, scaling, block
             **_strides("s", vsum), Tk=k_len, GROUPS=num_heads // kv_heads, BLOCK_M=block_t, BLOCK_D=block_d, D=dim,
             DOCUMENTS=documents is not None, num_warps=sum_warps, num_stages=sum_stages)
     work_lists = {} if work_lists is None else work_lists  # the two builds of training share one when their BM agree
-    for (block_m, block_n, num_warps, num_stages), passes in configs:
+    for (block_m, block_n, num_warps, num_stages), block_n1, passes in configs:
         if documents is None:
             tiles, grid = lse, (triton.cdiv(q_len, block_m), bsz * num_heads)
         else:
@@ -642,7 +652,7 @@ def _causal_forward(query, key, value, tau, distance_bias, q_pos, scaling, block
             tiles = work_lists[name]
             grid = (tiles.shape[0], num_heads)
         wrap_triton(_lazy_causal_fwd_kernel)[grid](
-            Q=query, K=key, V=value, TAU=tau_f32, BAND=_band_from(band, pad, block_m, block_n), QPOS=q_pos,
+            Q=query, K=key, V=value, TAU=tau_f32, BAND=_band_from(band, pad, block_m, block_n1), QPOS=q_pos,
             OUT=out, LSE=lse, U=u if store_u else lse, DOCS=lse if documents is None else documents, TILES=tiles,
             VSUM=vsum, KEYS=lse if document_keys is None else document_keys, STORE_U=store_u,
             DOCUMENTS=documents is not None, PASSES=passes, KEY_START=document_keys is not None,
@@ -650,6 +660,6 @@ def _causal_forward(query, key, value, tau, distance_bias, q_pos, scaling, block
             **_strides("s", vsum),
             Hq=num_heads, Tq=q_len, Tk=k_len, W=distance_bias.shape[-1], GROUPS=num_heads // kv_heads,
             BAND_LEN=band.stride(1), scale_log2=scaling * LOG2E,
-            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, D=dim, UPCAST=_INTERPRET,
+            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_N1=block_n1, BLOCK_D=block_d, D=dim, UPCAST=_INTERPRET,
             PRECISION=_DOT_PRECISION[query.dtype], num_warps=num_warps, num_stages=num_stages)
     return ForwardResult(out, lse, u)

@@ -151,8 +151,7 @@ def test_causal_fast_path_training_stays_near_the_yardstick():
     for key, loops in (("fwd_u1", 3), ("fwd_u", 6), ("delta", 0), ("dq", 3), ("dkdv", 3)):
         spec = model.LAZY_FAST[key]
         code = codes[(spec, 90, 64)]
-        block_m, block_n, _, _ = model.blocks_of(spec, 90, 64)
-        work = spec.work(problem, (block_m, block_n), 132)
+        work = spec.work(problem, model.work_blocks(spec, 90, 64), 132)
         assert code.spill == 0 and len(code.loops) == loops, key
         assert len(work.iterations) == (3 if key.startswith("fwd_u") else loops), key  # the forward's: per pass
         assert all(loop.counts.get("async_copy", 0) > 0 for loop in code.loops), key
@@ -168,6 +167,15 @@ def test_causal_fast_path_training_stays_near_the_yardstick():
     flop = [sum(code_u1.loops[0].tensor_flop.values()), sum(code_u.loops[pass_2].tensor_flop.values())]
     # per score: the one pass q k^T and p @ V, pass 2 of the two passes also m @ V
     assert 3 * flop[0] / (block_u1[0] * block_u1[1]) == 2 * flop[1] / (block_u[0] * block_u[1]), flop
+    # pass 1 of the two passes (q k^T alone) runs on the inference forward's wider key tiles, which the work counts
+    block_n1 = model.work_blocks(model.LAZY_FAST["fwd_u"], 90, 64)[2]
+    assert block_n1 == model.blocks_of(model.LAZY_FAST["fwd"], 90, 64)[1] > block_u[1]
+    pass_1 = model.causal_forward_passes(code_u, block_u)["pass 1"][0]
+    assert 3 * sum(code_u.loops[pass_1].tensor_flop.values()) / (block_u[0] * block_n1) == flop[1] / (
+        block_u[0] * block_u[1])
+    iterations = model.LAZY_FAST["fwd_u"].work(problem, model.work_blocks(model.LAZY_FAST["fwd_u"], 90, 64),
+                                                132).iterations
+    assert sum(iterations["pass 1"]) * block_n1 == sum(iterations["pass 2"]) * block_u[1]  # the same keys
     floors = {}
     for tau in (-1.0, 0.0):
         problem = replace(problem, tau=tau)
