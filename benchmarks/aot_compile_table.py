@@ -212,6 +212,8 @@ def markdown_table(rows) -> str:
         warps = module._config(build.kind, c["BLOCK_D"], _family(build))[2]
         wgmma = ("yes" if usage["wgmma"] else "no") if build.arch >= 90 and build.matmul else "n/a"
         blocks = f"{c['BLOCK_M']} x {c['BLOCK_N']}" if c["BLOCK_N"] else f"{c['BLOCK_M']} rows"  # no key tiles
+        if c["BLOCK_N1"] != c["BLOCK_N"] and build.kernel == "_lazy_causal_fwd_kernel":
+            blocks += f" (pass 1: x {c['BLOCK_N1']})"
         lines.append(f"| {build.label} | {blocks} | {warps} | "
                      f"{_DTYPE_NAMES[build.dtype]} | {build.head_dim} | sm_{build.arch} | {usage['registers']} | "
                      f"{usage['shared']} | {usage['spill']} | {wgmma} |")
