@@ -703,9 +703,11 @@ def analyse_all(jobs, workers: int):
 def causal_forward_passes(code: KernelCode, tile: tuple) -> dict:
     """The causal forward's tensor-core loops (address order) by pass, three each (beyond the window, inside it, at
     the causal limit; in that order within a pass, while the compiler may lay out the passes in either order): "pass
-    1" does the least tensor-core work (q k^T alone), "one pass" (FlashAttention-2's online
-    softmax rescales its accumulator: more float32 arithmetic per score), "pass 2" the rest. The training builds
-    that run only the heads of two passes, or of one (`PASSES`), have those loops only (the others: [])."""
+    1" computes the most exponentials per tensor-core FLOP (one exp2 per score for q k^T alone, where the other
+    passes also multiply by V; its key tiles may be wider than theirs, so its FLOP per iteration alone does not tell
+    it apart), "one pass" (FlashAttention-2's online softmax rescales its accumulator: more float32 arithmetic per
+    score), "pass 2" the rest. The training builds that run only the heads of two passes, or of one (`PASSES`), have
+    those loops only (the others: [])."""
     if len(code.loops) not in (3, 6, 9):
         raise RuntimeError(f"{code.name}: the causal forward has {len(code.loops)} tensor-core loops, the model "
                            "expects 9, 6 where it has no one pass, 3 where it has only the one pass (did the kernel "
@@ -713,8 +715,9 @@ def causal_forward_passes(code: KernelCode, tile: tuple) -> dict:
     groups = [list(range(i, i + 3)) for i in range(0, len(code.loops), 3)]
     if len(groups) == 1:  # the training build of the heads of one pass
         return {"pass 1": [], "pass 2": [], "one pass": groups[0]}
-    flop = [sum(code.loops[g[0]].tensor_flop.values()) for g in groups]
-    passes = {"pass 1": groups.pop(flop.index(min(flop)))}
+    exp_per_flop = [code.loops[g[0]].pipes.get("mufu", 0) / sum(code.loops[g[0]].tensor_flop.values())
+                    for g in groups]
+    passes = {"pass 1": groups.pop(exp_per_flop.index(max(exp_per_flop)))}
     if len(groups) == 1:
         return passes | {"pass 2": groups[0], "one pass": []}
     fp32 = [per_element(code, g[0], tile)["fp32"] for g in groups]  # the one pass also rescales its accumulator

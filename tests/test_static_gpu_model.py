@@ -58,6 +58,20 @@ def test_parser_finds_the_loop_and_its_dense_path():
     assert cycles["tensor"] == 8 * 32768 / 4096 and cycles["serial"] == cycles["tensor"] + 20
 
 
+def test_causal_forward_passes_are_told_apart_by_their_exponentials():
+    """Pass 1 (q k^T alone: one exp2 per score and one product) is found by its exponentials per tensor-core FLOP,
+    not by its FLOP per iteration, which ties with the other passes' when its key tiles are wider (pass 1 at 128
+    keys and pass 2 at 64 do the same products an iteration); the one pass then by its float32 rescaling."""
+    def loop(flop, mufu, fp32):
+        return model.Cost({"fp32": fp32}, 10 + fp32, {"HGMMA": flop}, {"mufu": mufu, "fma": fp32})
+
+    # address order: the one pass, pass 2, pass 1 (64 exp2 a thread per 128 x 128 pass 1 tile, 32 per 128 x 64)
+    loops = [loop(2, 33, 40)] * 3 + [loop(2, 32, 20)] * 3 + [loop(2, 64, 30)] * 3
+    code = model.KernelCode("synthetic", 90, 8, 200, 0, loops, model.Cost({}, 0, {}, {}))
+    assert model.causal_forward_passes(code, (128, 64)) == {"pass 1": [6, 7, 8], "one pass": [0, 1, 2],
+                                                            "pass 2": [3, 4, 5]}
+
+
 def test_every_yardstick_build_would_launch_without_spills():
     """The FA2-style kernels at their configurations, both GPU families and head dims: no register spills, and
     shared memory within what one block may use (a yardstick that could not launch would flatter nothing)."""
