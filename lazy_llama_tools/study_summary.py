@@ -3,7 +3,8 @@ paired differences.
 
     python -m lazy_llama_tools.study_summary docs/replication/controls --reference vanilla --lazy lazy
 
-Reads `DIR/CELL/seedS/results.json` (finished runs only), writes `DIR/summary.json` and `DIR/summary.md`.
+Reads `DIR/CELL/seedS/results.json` (finished runs only), writes `DIR/summary.json` (strict JSON: a NaN or infinite
+figure is null there, nan / inf in the tables) and `DIR/summary.md`.
 Per cell and seed: perplexity (per byte) at 1x/2x/4x, the mean training loss over the last 5% of steps, and the
 attention figures at the training length after training and at step 0. Paired differences use the same seed
 (same init, same data order): `d ppl = ppl_cell / ppl_reference - 1`, the share of lazy's gain a control
@@ -28,6 +29,7 @@ from pathlib import Path
 import torch
 
 from lazy_llama_tools.cli import one_line_errors
+from lazy_llama_tools.folders import write_text_whole
 from lazy_llama_tools.loading import one_line, read_json_object
 
 PAIRED_FIGURES = ("sink", "sink_share", "sink@4x", "sink_share@4x")  # differences `cell - reference`, same seed
@@ -367,6 +369,18 @@ def markdown(summary: dict, reference: str, lazy: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def strict_json(value):
+    """`value` with every NaN or infinite float replaced by None, so that summary.json is JSON every parser reads
+    (Python writes them as bare NaN / Infinity, which strict parsers refuse); the tables print them as nan / inf."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {key: strict_json(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [strict_json(item) for item in value]
+    return value
+
+
 def bias_tail(results_file: Path, start: int, stop: int, threshold: float = 0.05) -> dict:
     """Per run of a `results.json`: how many learned distance-bias entries at distances `start..stop-1` (all
     layers and heads) exceed `threshold` in magnitude, and their extremes."""
@@ -417,11 +431,11 @@ def main(argv=None) -> dict:
             print(f"study_summary: no cell named {'/'.join(sorted(wanted))} ({role}): the columns paired with it stay "
                   f"empty (cells: {', '.join(sorted(cells))})", file=sys.stderr)
     summary = summarise(cells, args.reference, args.lazy, args.by_prefix)
-    (args.folder / "summary.json").write_text(json.dumps(summary, indent=1))
+    write_text_whole(args.folder / "summary.json", json.dumps(strict_json(summary), indent=1, allow_nan=False))
     table = markdown(summary, args.reference, args.lazy)
     if args.by_prefix:
         table = f"Cells are paired within their prefix (`P-{args.reference}`, `P-{args.lazy}`).\n\n" + table
-    (args.folder / "summary.md").write_text(table)
+    write_text_whole(args.folder / "summary.md", table)
     print(table)
     return summary
 

@@ -83,6 +83,14 @@ def test_a_nan_figure_stays_nan_in_the_summary(tmp_path):
     summary = study_summary.main([str(tmp_path)])
     sparsity = summary["vanilla"]["figures"]["sparsity"]
     assert math.isnan(sparsity["mean"]) and math.isnan(sparsity["std"]) and sparsity["ci95"] is None
+
+    def refuse(constant):
+        raise ValueError(f"summary.json holds {constant}, which strict JSON parsers refuse")
+
+    written = json.loads((tmp_path / "summary.json").read_text(), parse_constant=refuse)  # null, not NaN
+    assert written["vanilla"]["figures"]["sparsity"]["mean"] is None
+    assert written["lazy"]["figures"]["sparsity"]["mean"] == pytest.approx(0.7)
+    assert "| nan" in (tmp_path / "summary.md").read_text()  # the table still says what the figure is
     assert summary["lazy"]["figures"]["sparsity"]["mean"] == pytest.approx(0.7)
     assert "nan" in (tmp_path / "summary.md").read_text()
 
