@@ -258,17 +258,17 @@ def _lazy_bwd_dkdv_kernel(Q, K, V, TAU, BIAS, QPOS, KPOS, QSEG, KSEG, LSE, DELTA
 
 
 @triton.jit
-def _causal_bwd_tile(x, y, band, start, diagonal, visible, lse2, threshold, scale_log2,
-                     BIAS: tl.constexpr, DIAGONAL: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
-    """`(p, m)` of one (query tile, key tile) pair from `x y^T`: `[BM, BN]` from (q, k) with `lse2`, `threshold` as
-    `[BM, 1]`, or transposed, `[BN, BM]` from (k, q) with them as `[1, BM]`. `DIAGONAL` tiles clear m where not
-    `visible` (p is already 0 there from the band's -inf, but with tau > 0 p + tau/n > 0)."""
+def _causal_bwd_tile(x, y, band, start, diagonal, lse2, threshold, scale_log2,
+                     BIAS: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    """`(p, t)` of one (query tile, key tile) pair from `x y^T`, `t = p + tau/n` (the weight before the ReLU; m = 1
+    where t > 0, the float32 threshold test): `[BM, BN]` from (q, k) with `lse2`, `threshold` as `[BM, 1]`, or
+    transposed, `[BN, BM]` from (k, q) with them as `[1, BM]`. A key no row may see (after the row, or a padded
+    row's) has p = 0 exactly (the band's -inf, a dead row's log-sum-exp), so `dS = p (m dP - Delta)` is 0 there
+    whatever m is: no visibility mask for dS, only for the weights `ReLU(t)` of tiles at the causal limit (with
+    tau > 0 they would be tau/n there)."""
     s = _causal_scores(x, y, band, start, diagonal, scale_log2, BIAS, False, UPCAST, PRECISION)
     p = tl.exp2(s - lse2)
-    alive = p + threshold > 0.0  # float32 threshold test
-    if DIAGONAL:
-        alive = alive & visible
-    return p, alive
+    return p, p + threshold
 
 
 @triton.jit
@@ -288,7 +288,7 @@ def _diagonal_sums(t, ROWS: tl.constexpr, COLS: tl.constexpr, S: tl.constexpr):
 
 @triton.jit
 def _causal_bwd_query_tiles(q, do, lse2, threshold, delta, acc, K, V, stride_kt, stride_vt, band, diagonal,
-                            q_key_idx, dbias_row, base, lo, hi, Tk, W, scale_log2, BLOCK_M: tl.constexpr,
+                            dbias_row, base, lo, hi, Tk, W, scale_log2, BLOCK_M: tl.constexpr,
                             BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, D: tl.constexpr, BIAS: tl.constexpr,
                             DIAGONAL: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
     """Key tiles [lo, hi) of one query tile: acc += dS @ K and, with `BIAS`, the diagonal sums of dS into the
@@ -299,10 +299,10 @@ def _causal_bwd_query_tiles(q, do, lse2, threshold, delta, acc, K, V, stride_kt,
         keys = start_n + offs_n
         k = _load_keys(K, stride_kt, keys, offs_d, Tk, D, BLOCK_D, DIAGONAL)
         v = _load_keys(V, stride_vt, keys, offs_d, Tk, D, BLOCK_D, DIAGONAL)
-        p, alive = _causal_bwd_tile(q, k, band, start_n, diagonal, keys[None, :] <= q_key_idx[:, None],
-                                    lse2[:, None], threshold[:, None], scale_log2, BIAS, DIAGONAL, UPCAST, PRECISION)
-        dp = tl.where(alive, _dot(do, tl.trans(v), UPCAST, PRECISION), 0.0)
-        ds = p * (dp - delta[:, None])
+        p, t = _causal_bwd_tile(q, k, band, start_n, diagonal, lse2[:, None], threshold[:, None], scale_log2, BIAS,
+                                UPCAST, PRECISION)
+        m = tl.where(t > 0.0, 1.0, 0.0)  # float32 1 / 0 (one FSET; a boolean across the product costs more)
+        ds = p * (m * _dot(do, tl.trans(v), UPCAST, PRECISION) - delta[:, None])
         acc = _dot(ds.to(k.dtype), k, UPCAST, PRECISION, acc)
         if BIAS:  # 2 BM BN / S atomics per tile, into the program's private row: relaxed (the default, acq_rel,
             # puts GPU-wide memory barriers beside each)
@@ -418,11 +418,10 @@ def _lazy_causal_bwd_dq_kernel(Q, K, V, TAU, BAND, QPOS, QSEG, LSE, DO, DELTA, D
     V_ = V + b * stride_vb + hk * stride_vh + start * stride_vt
     band = BAND + h * BAND_LEN + (BLOCK_M + BLOCK_N) + m0 + k_len - q_len  # band of distance m0 + offset - start_n
     diagonal = tl.arange(0, BLOCK_M)[:, None] - tl.arange(0, BLOCK_N)[None, :]
-    q_key_idx = rows + k_len - q_len
     delta = tl.load(DELTA + row_offs + rows, mask=row_mask, other=0.0)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     dbias_row = DBIAS_PART + (tl.program_id(1).to(tl.int64) * tl.num_programs(0) + tl.program_id(0)) * W
-    args = (K_, V_, stride_kt, stride_vt, band, diagonal, q_key_idx, dbias_row, m0 + k_len - q_len)
+    args = (K_, V_, stride_kt, stride_vt, band, diagonal, dbias_row, m0 + k_len - q_len)
     acc = _causal_bwd_query_tiles(q, do, lse2, threshold, delta, acc, *args, 0, far, k_len, W, scale_log2,
                                   BLOCK_M, BLOCK_N, BLOCK_D, D, False, False, UPCAST, PRECISION)
     acc = _causal_bwd_query_tiles(q, do, lse2, threshold, delta, acc, *args, far, full, k_len, W, scale_log2,
@@ -443,12 +442,11 @@ def _causal_dkdv_tiles(dk, dv, k, v, Q, DO, THR, LSE, DELTA, band, n0, lo, hi, T
     `DOCUMENTS`, rows past Tq (last tile) read Q, dO and Delta from row Tq - 1 and the Delta kernel's padded rows of
     LSE and THR, whose dead-row values make p = 0 and m = 0. With `DOCUMENTS` the tiles end at the document's end
     (a document's rows are followed by the next document's), so only its first tile can start before it: rows < 0
-    read row 0 and lie before every key of the document, where the band's -inf makes p = 0 and the causal test
-    (that tile is at the causal limit) m = 0. The thresholds come from THR (the Delta kernel's): a division here
-    would run per score element of the transposed tile."""
+    read row 0 and lie before every key of the document, where the band's -inf makes p = 0 (so dS = 0) and the
+    causal test (that tile is at the causal limit) a = 0. The thresholds come from THR (the Delta kernel's): a
+    division here would run per score element of the transposed tile."""
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
-    keys = n0 + tl.arange(0, BLOCK_N)
     diagonal = offs_m[None, :] - tl.arange(0, BLOCK_N)[:, None]  # [BN, BM] row (query) - column (key)
     for start_m in range(lo, hi, BLOCK_M):
         rows = start_m + offs_m
@@ -462,22 +460,22 @@ def _causal_dkdv_tiles(dk, dv, k, v, Q, DO, THR, LSE, DELTA, band, n0, lo, hi, T
         do = _load_keys(DO, stride_dot, rows_in, offs_d, Tq, D, BLOCK_D, False)
         lse = tl.load(LSE + lse_rows)
         threshold = tl.load(THR + lse_rows)[None, :]
-        p, alive = _causal_bwd_tile(k, q, band + start_m, n0, diagonal, keys[:, None] <= (rows + offset)[None, :],
-                                    lse[None, :], threshold, scale_log2, BIAS, DIAGONAL, UPCAST, PRECISION)
-        a = tl.maximum(p + threshold, 0.0)
-        if DIAGONAL:
-            a = tl.where(alive, a, 0.0)
+        p, t = _causal_bwd_tile(k, q, band + start_m, n0, diagonal, lse[None, :], threshold, scale_log2, BIAS,
+                                UPCAST, PRECISION)
+        a = tl.maximum(t, 0.0)
+        if DIAGONAL and BLOCK_D <= 64:
+            a = tl.where(diagonal >= n0 - start_m - offset, a, 0.0)  # key <= row + offset
+        elif DIAGONAL:
+            a = tl.where(n0 + tl.arange(0, BLOCK_N)[:, None] <= (rows + offset)[None, :], a, 0.0)
         dv = _dot(a.to(do.dtype), do, UPCAST, PRECISION, dv)
-        # dS = p (m dP - Delta). A boolean m kept across the dP product is packed into predicate bits and unpacked
-        # again, per score element; instead the factors are formed before it: m p and p Delta where registers allow
-        # (D <= 64), else p signed by m (sign(p) = m; p = 0 gives dS = 0 either way)
+        # dS = p (m dP - Delta). A boolean m held across the dP product is packed into predicate bits and unpacked
+        # again, per score element; instead m is a float32 1 / 0 (one FSET a score) where registers allow (D <= 64),
+        # else p carries it as its sign (p = 0 gives dS = 0 either way)
         if BLOCK_D <= 64:
-            p_live = tl.where(alive, p, 0.0)
-            p_delta = p * tl.load(DELTA + rows_in)[None, :]
-            dp = _dot(v, tl.trans(do), UPCAST, PRECISION)
-            ds = p_live * dp - p_delta
+            m = tl.where(t > 0.0, 1.0, 0.0)
+            ds = p * (m * _dot(v, tl.trans(do), UPCAST, PRECISION) - tl.load(DELTA + rows_in)[None, :])
         else:
-            p_signed = tl.where(alive, p, -p)
+            p_signed = tl.where(t > 0.0, p, -p)
             dp = _dot(v, tl.trans(do), UPCAST, PRECISION)
             ds = tl.abs(p_signed) * (tl.where(p_signed > 0.0, dp, 0.0) - tl.load(DELTA + rows_in)[None, :])
         dk = _dot(ds.to(q.dtype), q, UPCAST, PRECISION, dk)
