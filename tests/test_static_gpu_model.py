@@ -169,6 +169,11 @@ def test_causal_fast_path_training_stays_near_the_yardstick():
         assert code.spill == 0 and len(code.loops) == loops, key
         assert len(work.iterations) == (3 if key.startswith("fwd_u") else loops), key  # the forward's: per pass
         assert all(loop.counts.get("async_copy", 0) > 0 for loop in code.loops), key
+        if key in ("dq", "dkdv"):
+            # the ReLU mask m as a float32 1 / 0 (one FSET a score; dS = p (m dP - Delta) an FFMA and a multiply):
+            # 9.5 / 13.6 thread-instructions per score beyond the window, 10.5 / 14.6 with a boolean m
+            far = model.per_element(code, loops - 1 if key == "dkdv" else 0, work.tile)["total"]
+            assert far <= {"dq": 10.0, "dkdv": 14.0}[key], (key, far)
         atomics = [model.per_element(code, i, work.tile)["atomic"] for i in range(loops)]
         limit = 0.1 if key == "dq" else 0  # none in loop 0 (no bias there, or the causal limit of dk/dv)
         assert atomics[:1] == [0] * min(loops, 1) and max(atomics, default=0) <= limit, (key, atomics)
