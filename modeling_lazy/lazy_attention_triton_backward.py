@@ -463,8 +463,10 @@ def _causal_dkdv_tiles(dk, dv, k, v, Q, DO, THR, LSE, DELTA, band, n0, lo, hi, T
         p, t = _causal_bwd_tile(k, q, band + start_m, n0, diagonal, lse[None, :], threshold, scale_log2, BIAS,
                                 UPCAST, PRECISION)
         a = tl.maximum(t, 0.0)
+        # key <= row + offset: from the tile's diagonal offsets (fewer instructions) at D 64; from the keys and rows at
+        # D 128, where the offsets' registers made the sm_80 build spill
         if DIAGONAL and BLOCK_D <= 64:
-            a = tl.where(diagonal >= n0 - start_m - offset, a, 0.0)  # key <= row + offset
+            a = tl.where(diagonal >= n0 - start_m - offset, a, 0.0)
         elif DIAGONAL:
             a = tl.where(n0 + tl.arange(0, BLOCK_N)[:, None] <= (rows + offset)[None, :], a, 0.0)
         dv = _dot(a.to(do.dtype), do, UPCAST, PRECISION, dv)
