@@ -403,7 +403,8 @@ def _lazy_causal_fwd_work(p: Problem, blocks, sms, store_u: bool = False, passes
     the training build that runs only the heads of one pass or of two; the other build's programs return after
     their prologue (charged as whole programs without loops: an upper bound). `blocks` (BM, BN) or (BM, BN, pass 1's
     BN) (`work_blocks`)."""
-    bm, bn, bn1 = (*blocks, blocks[-1])[:3]
+    bm, bn = blocks[:2]
+    bn1 = blocks[2] if len(blocks) > 2 else bn
     bh = p.batch * p.heads
 
     def per_loop(key_tile: int) -> list:
@@ -946,7 +947,7 @@ def build_report(archs, dims, workers) -> dict:
     report = {"kernels": [], "ratios": [], "compile_seconds": round(time.perf_counter() - start, 1)}
     for (spec, arch, dim), code in codes.items():
         impl, key = specs[spec]
-        block_m, block_n, warps, stages = blocks_of(spec, arch, dim)
+        warps, stages = blocks_of(spec, arch, dim)[2:]
         work = spec.work(prefill_problem(4096, dim) if not key.startswith("decode") else decode_problem(32768, dim),
                          work_blocks(spec, arch, dim), MACHINES[arch].sms)
         passes = ({i: name for name, group in causal_forward_passes(code, work.tile).items() for i in group}
